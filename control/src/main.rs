@@ -1,1 +1,32 @@
-fn main() {}
+//! `ambit-control`: the Ambit control plane.
+
+use anyhow::Context;
+use clap::Parser;
+use tracing_subscriber::EnvFilter;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_env("LOG_LEVEL").unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .init();
+    let cfg = ambit_control::ControlConfig::parse();
+    let cp = ambit_control::ControlPlane::start(cfg)
+        .await
+        .context("control plane failed to start")?;
+    wait_for_signal().await?;
+    tracing::info!("shutting down");
+    cp.shutdown().await;
+    Ok(())
+}
+
+async fn wait_for_signal() -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("cannot install SIGTERM handler")?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r.context("cannot wait for ctrl-c")?,
+        _ = term.recv() => {}
+    }
+    Ok(())
+}

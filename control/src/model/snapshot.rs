@@ -1,7 +1,8 @@
 //! Immutable snapshots of the translated mesh, published by the model's
 //! writer task and read by every xDS stream.
 //!
-//! A snapshot holds each xDS resource already encoded as a `prost_types::Any`
+//! A snapshot holds each xDS resource already encoded as a protobuf `Any` (envoy-types' own type, so it goes
+//! into responses without conversion)
 //! together with a content version, so an xDS stream never encodes anything:
 //! it compares versions and forwards `Arc`s.
 
@@ -9,6 +10,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
+use envoy_types::pb::google::protobuf::Any;
 use prost::Message;
 
 use super::ConfigError;
@@ -24,7 +26,7 @@ pub struct XdsResource {
     /// Content version: a hash of the encoded bytes.
     pub version: String,
     /// The encoded message.
-    pub body: prost_types::Any,
+    pub body: Any,
 }
 
 impl XdsResource {
@@ -37,7 +39,7 @@ impl XdsResource {
             name,
             aliases,
             version: format!("{:016x}", h.finish()),
-            body: prost_types::Any {
+            body: Any {
                 type_url: type_url.to_string(),
                 value,
             },

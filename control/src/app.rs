@@ -1,0 +1,225 @@
+//! Wiring of the control plane: listeners, the model, the file source, the
+//! xDS server and the monitoring server. Binaries, tests and benchmarks all
+//! start the control plane through [`ControlPlane::start`].
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+use tracing::{info, warn};
+
+use crate::config::ControlConfig;
+use crate::debug::DebugState;
+use crate::model::snapshot::Snapshot;
+use crate::model::spawn_model;
+use crate::source::file::{FileSource, FileSourceError, spawn_file_source};
+use crate::xds::{ProxyRegistry, XdsMetrics, XdsServer};
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error("cannot listen for {what} on {addr}: {source}; is another process using the port?")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot read the config directory: {0}")]
+    Source(#[from] FileSourceError),
+    #[error("the mesh model stopped before delivering its first snapshot")]
+    ModelStopped,
+}
+
+/// A running control plane.
+pub struct ControlPlane {
+    xds_addr: SocketAddr,
+    monitoring_addr: SocketAddr,
+    snapshots: watch::Receiver<Arc<Snapshot>>,
+    proxies: Arc<ProxyRegistry>,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+    _source: FileSource,
+}
+
+async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, AppError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| AppError::Bind { what, addr, source })
+}
+
+fn local_addr(
+    what: &'static str,
+    l: &TcpListener,
+    addr: SocketAddr,
+) -> Result<SocketAddr, AppError> {
+    l.local_addr()
+        .map_err(|source| AppError::Bind { what, addr, source })
+}
+
+impl ControlPlane {
+    /// Binds every listener, loads the config directory and starts serving.
+    /// Returns once the first snapshot of the config is published.
+    pub async fn start(cfg: ControlConfig) -> Result<Self, AppError> {
+        let xds_listener = bind("xDS (plaintext gRPC)", cfg.xds_plaintext_addr).await?;
+        let mon_listener = bind("monitoring (HTTP)", cfg.monitoring_addr).await?;
+        let xds_addr = local_addr("xDS", &xds_listener, cfg.xds_plaintext_addr)?;
+        let monitoring_addr = local_addr("monitoring", &mon_listener, cfg.monitoring_addr)?;
+
+        let (model, mut snapshots) = spawn_model(cfg.model_options());
+        let source = spawn_file_source(cfg.config_dir.clone(), model).await?;
+        snapshots
+            .wait_for(|s| s.synced)
+            .await
+            .map_err(|_| AppError::ModelStopped)?;
+
+        let mut registry = Registry::default();
+        let xds_metrics = XdsMetrics::register(&mut registry);
+        let model_metrics = ModelMetrics::register(&mut registry);
+        let proxies = Arc::new(ProxyRegistry::default());
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let mut tasks = Vec::new();
+
+        tasks.push(tokio::spawn(model_metrics.run(snapshots.clone())));
+
+        let xds = XdsServer::new(snapshots.clone(), proxies.clone(), xds_metrics);
+        let mut stop = shutdown_rx.clone();
+        tasks.push(tokio::spawn(async move {
+            let result = tonic::transport::Server::builder()
+                .tcp_nodelay(true)
+                .http2_keepalive_interval(Some(Duration::from_secs(30)))
+                .initial_connection_window_size(Some(16 << 20))
+                .initial_stream_window_size(Some(8 << 20))
+                .add_service(xds.into_service())
+                .serve_with_incoming_shutdown(TcpListenerStream::new(xds_listener), async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                })
+                .await;
+            if let Err(e) = result {
+                warn!("xDS server stopped: {e}");
+            }
+        }));
+
+        let debug = DebugState {
+            snapshots: snapshots.clone(),
+            proxies: proxies.clone(),
+            metrics: Arc::new(registry),
+        };
+        tasks.push(tokio::spawn(crate::http::serve(
+            mon_listener,
+            debug.handler(),
+            shutdown_rx,
+        )));
+
+        info!(
+            %xds_addr, %monitoring_addr, config_dir = %cfg.config_dir.display(),
+            "control plane serving"
+        );
+        Ok(Self {
+            xds_addr,
+            monitoring_addr,
+            snapshots,
+            proxies,
+            shutdown,
+            tasks,
+            _source: source,
+        })
+    }
+
+    /// Where xDS is served (plaintext gRPC).
+    pub fn xds_addr(&self) -> SocketAddr {
+        self.xds_addr
+    }
+
+    /// Where `/metrics`, `/ready` and `/debug` are served.
+    pub fn monitoring_addr(&self) -> SocketAddr {
+        self.monitoring_addr
+    }
+
+    /// The model's published snapshots.
+    pub fn snapshots(&self) -> watch::Receiver<Arc<Snapshot>> {
+        self.snapshots.clone()
+    }
+
+    /// Connected proxies.
+    pub fn proxies(&self) -> &ProxyRegistry {
+        &self.proxies
+    }
+
+    /// Stops the servers and waits for them.
+    pub async fn shutdown(self) {
+        let _ = self.shutdown.send(true);
+        for t in self.tasks {
+            t.abort();
+            let _ = t.await;
+        }
+    }
+}
+
+/// Metrics about the model itself.
+#[derive(Debug, Clone)]
+struct ModelMetrics {
+    snapshots: Counter,
+    build_seconds: Histogram,
+    resources: Family<Vec<(&'static str, &'static str)>, Gauge>,
+    config_errors: Gauge,
+}
+
+impl ModelMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        let m = Self {
+            snapshots: Counter::default(),
+            build_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
+            resources: Family::default(),
+            config_errors: Gauge::default(),
+        };
+        registry.register(
+            "ambit_model_snapshots",
+            "Snapshots of the mesh published",
+            m.snapshots.clone(),
+        );
+        registry.register(
+            "ambit_model_build_seconds",
+            "Time to translate and encode one snapshot",
+            m.build_seconds.clone(),
+        );
+        registry.register(
+            "ambit_model_resources",
+            "xDS resources in the current snapshot",
+            m.resources.clone(),
+        );
+        registry.register(
+            "ambit_config_errors",
+            "Config documents currently rejected (see /debug/config_errors)",
+            m.config_errors.clone(),
+        );
+        m
+    }
+
+    async fn run(self, mut snapshots: watch::Receiver<Arc<Snapshot>>) {
+        loop {
+            {
+                let s = snapshots.borrow_and_update().clone();
+                self.snapshots.inc();
+                self.build_seconds.observe(s.build_time.as_secs_f64());
+                self.resources
+                    .get_or_create(&vec![("type", "address")])
+                    .set(s.addresses.by_name.len() as i64);
+                self.resources
+                    .get_or_create(&vec![("type", "authorization")])
+                    .set(s.authorizations.by_name.len() as i64);
+                self.config_errors.set(s.errors.len() as i64);
+            }
+            if snapshots.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+}

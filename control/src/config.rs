@@ -1,0 +1,79 @@
+//! Command-line and environment configuration of `ambit-control`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+
+use crate::model::ModelOptions;
+
+/// Every flag can also be set by the upper-case environment variable named
+/// after it (`--config-dir` → `CONFIG_DIR`).
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "ambit-control",
+    version,
+    about = "Ambit control plane: serves the mesh to ztunnels over xDS"
+)]
+pub struct ControlConfig {
+    /// Directory of Kubernetes and Istio YAML (`*.yaml`, `*.yml`, multi-document)
+    /// to serve; it is watched and changes apply live (local mode).
+    #[arg(long, env = "CONFIG_DIR")]
+    pub config_dir: PathBuf,
+
+    /// Directory for state that must survive restarts (the CA's root key).
+    #[arg(long, env = "DATA_DIR", default_value = "./ambit-data")]
+    pub data_dir: PathBuf,
+
+    /// Plaintext gRPC address for xDS (local mode and tests only).
+    #[arg(long, env = "XDS_PLAINTEXT_ADDR", default_value = "127.0.0.1:15010")]
+    pub xds_plaintext_addr: SocketAddr,
+
+    /// Address of `/metrics`, `/ready` and `/debug/*`.
+    #[arg(long, env = "MONITORING_ADDR", default_value = "127.0.0.1:15014")]
+    pub monitoring_addr: SocketAddr,
+
+    /// SPIFFE trust domain of the mesh.
+    #[arg(long, env = "TRUST_DOMAIN", default_value = "cluster.local")]
+    pub trust_domain: String,
+
+    /// Cluster name used in workload uids.
+    #[arg(long, env = "CLUSTER_ID", default_value = "Kubernetes")]
+    pub cluster_id: String,
+
+    /// Network name of this cluster's workloads (empty: the default network).
+    #[arg(long, env = "NETWORK", default_value = "")]
+    pub network: String,
+
+    /// Longest time a burst of config changes is held back before one push.
+    #[arg(long, env = "DEBOUNCE_MAX_MS", default_value_t = 100)]
+    pub debounce_max_ms: u64,
+}
+
+impl ControlConfig {
+    /// A configuration for tests: every listener on 127.0.0.1 port 0.
+    pub fn for_tests(config_dir: PathBuf, data_dir: PathBuf) -> Self {
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        Self {
+            config_dir,
+            data_dir,
+            xds_plaintext_addr: any,
+            monitoring_addr: any,
+            trust_domain: "cluster.local".into(),
+            cluster_id: "Kubernetes".into(),
+            network: String::new(),
+            debounce_max_ms: 100,
+        }
+    }
+
+    pub fn model_options(&self) -> ModelOptions {
+        ModelOptions {
+            trust_domain: self.trust_domain.clone(),
+            network: self.network.clone(),
+            cluster_id: self.cluster_id.clone(),
+            debounce_max: Duration::from_millis(self.debounce_max_ms),
+            ..ModelOptions::default()
+        }
+    }
+}

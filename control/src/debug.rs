@@ -1,0 +1,146 @@
+//! The monitoring server (15014): `/ready`, `/metrics` and `/debug/*`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use prometheus_client::registry::Registry;
+use serde::Serialize;
+use tokio::sync::watch;
+
+use crate::http::{Handler, json, respond};
+use crate::model::snapshot::{ResourceSet, Snapshot};
+use crate::xds::ProxyRegistry;
+
+const INDEX: &str = "\
+ambit-control monitoring endpoints:
+  /ready                  200 once every config source delivered its initial state
+  /metrics                Prometheus metrics
+  /debug/push_status      current snapshot: sequence, sizes, build time
+  /debug/connections      connected proxies and what they hold
+  /debug/nacks            recent xDS responses rejected by proxies
+  /debug/config_errors    documents currently rejected, with file and line
+  /debug/resources?type=address|authorization   resource names and versions
+";
+
+#[derive(Serialize)]
+struct PushStatus {
+    seq: u64,
+    synced: bool,
+    build_time_ms: f64,
+    addresses: usize,
+    authorizations: usize,
+    config_errors: usize,
+    connections: usize,
+}
+
+#[derive(Serialize)]
+struct ResourceView<'a> {
+    name: &'a str,
+    aliases: &'a [String],
+    version: &'a str,
+    bytes: usize,
+}
+
+/// Everything the monitoring handler reads.
+#[derive(Clone)]
+pub struct DebugState {
+    pub snapshots: watch::Receiver<Arc<Snapshot>>,
+    pub proxies: Arc<ProxyRegistry>,
+    pub metrics: Arc<Registry>,
+}
+
+fn resource_list(set: &ResourceSet) -> Vec<ResourceView<'_>> {
+    let mut v: Vec<_> = set
+        .by_name
+        .values()
+        .map(|r| ResourceView {
+            name: &r.name,
+            aliases: &r.aliases,
+            version: &r.version,
+            bytes: r.body.value.len(),
+        })
+        .collect();
+    v.sort_by(|a, b| a.name.cmp(b.name));
+    v
+}
+
+fn query(req: &Request<Incoming>) -> BTreeMap<String, String> {
+    req.uri()
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+impl DebugState {
+    pub fn handler(self) -> Handler {
+        Arc::new(move |req| self.handle(req))
+    }
+
+    fn handle(&self, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+        if req.method() != Method::GET {
+            return respond(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "text/plain",
+                "only GET is supported here\n",
+            );
+        }
+        let snap = self.snapshots.borrow().clone();
+        match req.uri().path() {
+            "/" | "/debug" | "/debug/" => respond(StatusCode::OK, "text/plain", INDEX),
+            "/ready" if snap.synced => respond(StatusCode::OK, "text/plain", "ready\n"),
+            "/ready" => respond(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "text/plain",
+                "not ready: waiting for the config sources' initial state\n",
+            ),
+            "/metrics" => {
+                let mut out = String::new();
+                match prometheus_client::encoding::text::encode(&mut out, &self.metrics) {
+                    Ok(()) => respond(
+                        StatusCode::OK,
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        out,
+                    ),
+                    Err(e) => respond(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "text/plain",
+                        format!("could not encode metrics: {e}\n"),
+                    ),
+                }
+            }
+            "/debug/push_status" => json(&PushStatus {
+                seq: snap.seq,
+                synced: snap.synced,
+                build_time_ms: snap.build_time.as_secs_f64() * 1e3,
+                addresses: snap.addresses.by_name.len(),
+                authorizations: snap.authorizations.by_name.len(),
+                config_errors: snap.errors.len(),
+                connections: self.proxies.proxies().len(),
+            }),
+            "/debug/connections" => json(&self.proxies.proxies()),
+            "/debug/nacks" => json(&self.proxies.nacks()),
+            "/debug/config_errors" => json(&*snap.errors),
+            "/debug/resources" => match query(req).get("type").map(String::as_str) {
+                Some("address") | None => json(&resource_list(&snap.addresses)),
+                Some("authorization") => json(&resource_list(&snap.authorizations)),
+                Some(other) => respond(
+                    StatusCode::BAD_REQUEST,
+                    "text/plain",
+                    format!("unknown type {other:?}: use type=address or type=authorization\n"),
+                ),
+            },
+            _ => respond(
+                StatusCode::NOT_FOUND,
+                "text/plain",
+                format!("not found\n\n{INDEX}"),
+            ),
+        }
+    }
+}

@@ -1,0 +1,290 @@
+//! AuthorizationPolicy -> `istio.security.Authorization` (L4 only), with
+//! Istio's ambient semantics:
+//!
+//! * scope GLOBAL for a selector-less policy in a root namespace, NAMESPACE
+//!   without selector, WORKLOAD_SELECTOR with one (the policy is then listed
+//!   in each selected workload's `authorization_policies`);
+//! * a rule is a list of clauses that must all match: one clause with a
+//!   match per `to` operation, one with a match per `from` source, and two
+//!   per `when` condition (values / notValues);
+//! * L7 attributes cannot be checked by ztunnel: in an ALLOW policy the rule
+//!   holding them never matches (dropped: fails closed), in a DENY policy they
+//!   are ignored (the rule denies more: fails closed too);
+//! * CUSTOM and AUDIT policies and policies with `targetRef(s)` (waypoint
+//!   policies) are not sent to ztunnel.
+
+use ambit_proto::AUTHORIZATION_TYPE_URL;
+use ambit_proto::security::{
+    Action, Address as AuthzAddress, Authorization, Clause, Match, Rule, Scope, StringMatch,
+    string_match::MatchType,
+};
+
+use super::objects::{
+    AuthorizationAction, AuthorizationPolicy, AuthorizationRule, Cidr, Condition, Labels,
+};
+use super::snapshot::XdsResource;
+use super::store::NamespaceObjects;
+use super::translate::{LabelIndex, ROOT_NAMESPACES, Wl};
+
+/// Translates the namespace's policies, attaches selector policies to the
+/// namespace's workloads and collects root-namespace selector policies (which
+/// select across all namespaces) into `root`.
+pub(crate) fn translate_namespace<'a>(
+    ns: &str,
+    objs: &'a NamespaceObjects,
+    index: &LabelIndex<'_>,
+    wls: &mut [Wl<'_>],
+    out: &mut Vec<XdsResource>,
+    root: &mut Vec<(String, &'a Labels)>,
+) {
+    let is_root = ROOT_NAMESPACES.contains(&ns);
+    for (name, pol) in &objs.authorization_policies {
+        let Some(auth) = convert(ns, pol, is_root) else {
+            continue;
+        };
+        let full = format!("{ns}/{name}");
+        if let Some(sel) = pol.spec.selector_labels() {
+            if is_root {
+                root.push((full.clone(), sel));
+            } else {
+                for idx in index.select(sel) {
+                    wls[idx].w.authorization_policies.push(full.clone());
+                }
+            }
+        }
+        out.push(XdsResource::new(
+            AUTHORIZATION_TYPE_URL,
+            full,
+            Vec::new(),
+            &auth,
+        ));
+    }
+}
+
+/// Attaches root-namespace selector policies to matching pods and
+/// WorkloadEntries of every namespace.
+pub(crate) fn apply_root_policies(root: &[(String, &Labels)], wls: &mut [Wl<'_>]) {
+    if root.is_empty() {
+        return;
+    }
+    for wl in wls.iter_mut() {
+        let Some(view) = wl.selectable else {
+            continue;
+        };
+        for (full, sel) in root {
+            if view.matches(sel) {
+                wl.w.authorization_policies.push(full.clone());
+            }
+        }
+    }
+}
+
+/// Converts one policy; `None` when it is not for ztunnel.
+pub fn convert(ns: &str, pol: &AuthorizationPolicy, is_root: bool) -> Option<Authorization> {
+    let spec = &pol.spec;
+    let name = &pol.metadata.name;
+    let action = match spec.action {
+        AuthorizationAction::Allow => Action::Allow,
+        AuthorizationAction::Deny => Action::Deny,
+        AuthorizationAction::Audit | AuthorizationAction::Custom => {
+            tracing::debug!(namespace = ns, name = %name, "CUSTOM/AUDIT policy is not enforced by ztunnel; skipped");
+            return None;
+        }
+    };
+    if spec.target_ref.is_some() || !spec.target_refs.is_empty() {
+        tracing::debug!(namespace = ns, name = %name, "policy with targetRefs applies to waypoints, not ztunnel; skipped");
+        return None;
+    }
+    let scope = match (spec.selector_labels(), is_root) {
+        (Some(_), _) => Scope::WorkloadSelector,
+        (None, true) => Scope::Global,
+        (None, false) => Scope::Namespace,
+    };
+    let rules = spec
+        .rules
+        .iter()
+        .filter_map(|r| convert_rule(r, action))
+        .collect();
+    Some(Authorization {
+        name: name.clone(),
+        namespace: ns.to_string(),
+        scope: scope as i32,
+        action: action as i32,
+        rules,
+    })
+}
+
+/// True when a policy uses attributes ztunnel cannot check (for warnings).
+pub fn has_l7_attributes(pol: &AuthorizationPolicy) -> bool {
+    pol.spec.rules.iter().any(|r| {
+        r.to.iter().any(|t| {
+            let o = &t.operation;
+            !(o.hosts.is_empty()
+                && o.not_hosts.is_empty()
+                && o.methods.is_empty()
+                && o.not_methods.is_empty()
+                && o.paths.is_empty()
+                && o.not_paths.is_empty())
+        }) || r.from.iter().any(|f| {
+            let s = &f.source;
+            !(s.request_principals.is_empty()
+                && s.not_request_principals.is_empty()
+                && s.remote_ip_blocks.is_empty()
+                && s.not_remote_ip_blocks.is_empty())
+        }) || r
+            .when
+            .iter()
+            .any(|c| !L4_WHEN_KEYS.contains(&c.key.as_str()))
+    })
+}
+
+const L4_WHEN_KEYS: [&str; 5] = [
+    "source.ip",
+    "source.namespace",
+    "source.principal",
+    "destination.ip",
+    "destination.port",
+];
+
+fn convert_rule(rule: &AuthorizationRule, action: Action) -> Option<Rule> {
+    let allow = action == Action::Allow;
+    let mut clauses = Vec::new();
+    let mut to = Vec::with_capacity(rule.to.len());
+    for t in &rule.to {
+        let o = &t.operation;
+        let l7 = !(o.hosts.is_empty()
+            && o.not_hosts.is_empty()
+            && o.methods.is_empty()
+            && o.not_methods.is_empty()
+            && o.paths.is_empty()
+            && o.not_paths.is_empty());
+        if allow && l7 {
+            return None;
+        }
+        to.push(Match {
+            destination_ports: o.ports.iter().map(|p| p.0.into()).collect(),
+            not_destination_ports: o.not_ports.iter().map(|p| p.0.into()).collect(),
+            ..Default::default()
+        });
+    }
+    if !to.is_empty() {
+        clauses.push(Clause { matches: to });
+    }
+    let mut from = Vec::with_capacity(rule.from.len());
+    for f in &rule.from {
+        let s = &f.source;
+        let l7 = !(s.request_principals.is_empty()
+            && s.not_request_principals.is_empty()
+            && s.remote_ip_blocks.is_empty()
+            && s.not_remote_ip_blocks.is_empty());
+        if allow && l7 {
+            return None;
+        }
+        from.push(Match {
+            namespaces: string_matches(&s.namespaces, false),
+            not_namespaces: string_matches(&s.not_namespaces, false),
+            principals: string_matches(&s.principals, true),
+            not_principals: string_matches(&s.not_principals, true),
+            source_ips: s.ip_blocks.iter().map(cidr).collect(),
+            not_source_ips: s.not_ip_blocks.iter().map(cidr).collect(),
+            ..Default::default()
+        });
+    }
+    if !from.is_empty() {
+        clauses.push(Clause { matches: from });
+    }
+    for c in &rule.when {
+        if !L4_WHEN_KEYS.contains(&c.key.as_str()) {
+            if allow {
+                return None;
+            }
+            continue;
+        }
+        let (pos, neg) = when_matches(c);
+        clauses.push(Clause { matches: vec![pos] });
+        clauses.push(Clause { matches: vec![neg] });
+    }
+    Some(Rule { clauses })
+}
+
+fn when_matches(c: &Condition) -> (Match, Match) {
+    let mut pos = Match::default();
+    let mut neg = Match::default();
+    match c.key.as_str() {
+        "source.namespace" => {
+            pos.namespaces = string_matches(&c.values, false);
+            neg.not_namespaces = string_matches(&c.not_values, false);
+        }
+        "source.principal" => {
+            pos.principals = string_matches(&c.values, true);
+            neg.not_principals = string_matches(&c.not_values, true);
+        }
+        "source.ip" => {
+            pos.source_ips = cidrs(&c.values);
+            neg.not_source_ips = cidrs(&c.not_values);
+        }
+        "destination.ip" => {
+            pos.destination_ips = cidrs(&c.values);
+            neg.not_destination_ips = cidrs(&c.not_values);
+        }
+        "destination.port" => {
+            pos.destination_ports = ports(&c.values);
+            neg.not_destination_ports = ports(&c.not_values);
+        }
+        _ => {}
+    }
+    (pos, neg)
+}
+
+fn cidrs(values: &[String]) -> Vec<AuthzAddress> {
+    values
+        .iter()
+        .filter_map(|v| v.parse::<Cidr>().ok())
+        .map(|c| cidr(&c))
+        .collect()
+}
+
+fn ports(values: &[String]) -> Vec<u32> {
+    values
+        .iter()
+        .filter_map(|v| v.trim().parse::<u16>().ok())
+        .map(u32::from)
+        .collect()
+}
+
+fn cidr(c: &Cidr) -> AuthzAddress {
+    AuthzAddress {
+        address: match c.addr {
+            std::net::IpAddr::V4(a) => a.octets().to_vec(),
+            std::net::IpAddr::V6(a) => a.octets().to_vec(),
+        },
+        length: c.len.into(),
+    }
+}
+
+/// `*` = presence, `*suffix`, `prefix*`, else exact; principals lose a
+/// leading `spiffe://`.
+pub fn string_matches(values: &[String], principal: bool) -> Vec<StringMatch> {
+    values
+        .iter()
+        .map(|v| {
+            let v = if principal {
+                v.strip_prefix("spiffe://").unwrap_or(v)
+            } else {
+                v
+            };
+            let m = if v == "*" {
+                MatchType::Presence(())
+            } else if let Some(s) = v.strip_prefix('*') {
+                MatchType::Suffix(s.to_string())
+            } else if let Some(p) = v.strip_suffix('*') {
+                MatchType::Prefix(p.to_string())
+            } else {
+                MatchType::Exact(v.to_string())
+            };
+            StringMatch {
+                match_type: Some(m),
+            }
+        })
+        .collect()
+}

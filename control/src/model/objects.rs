@@ -1,0 +1,953 @@
+//! Ambit's lean typed model of the Kubernetes and Istio objects it reads.
+//!
+//! Only the fields the mesh needs are modelled; everything else in a document
+//! is ignored. The structs deserialize straight from Kubernetes YAML/JSON with
+//! serde (field names as in the API), so a bad field type is reported with its
+//! path (`spec.ports[0].port`). Semantic checks that serde cannot express
+//! (IP syntax of string fields, a required name, ...) live in `decode.rs`.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::IpAddr;
+use std::str::FromStr;
+
+use serde::de::{self, Deserializer, Visitor};
+use serde::{Deserialize, Serialize};
+
+/// Label that enrolls a namespace or pod in ambient mode (`ambient`) or opts a
+/// pod out (`none`).
+pub const LABEL_DATAPLANE_MODE: &str = "istio.io/dataplane-mode";
+/// Label naming the waypoint an object's traffic goes through.
+pub const LABEL_USE_WAYPOINT: &str = "istio.io/use-waypoint";
+/// Label naming the namespace of that waypoint (defaults to the object's).
+pub const LABEL_USE_WAYPOINT_NAMESPACE: &str = "istio.io/use-waypoint-namespace";
+/// Label on an EndpointSlice naming its Service.
+pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+
+/// The kinds of object the model understands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum Kind {
+    Namespace,
+    Pod,
+    Service,
+    EndpointSlice,
+    ServiceEntry,
+    WorkloadEntry,
+    PeerAuthentication,
+    AuthorizationPolicy,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 8] = [
+        Kind::Namespace,
+        Kind::Pod,
+        Kind::Service,
+        Kind::EndpointSlice,
+        Kind::ServiceEntry,
+        Kind::WorkloadEntry,
+        Kind::PeerAuthentication,
+        Kind::AuthorizationPolicy,
+    ];
+
+    /// The Kubernetes `kind` string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Namespace => "Namespace",
+            Kind::Pod => "Pod",
+            Kind::Service => "Service",
+            Kind::EndpointSlice => "EndpointSlice",
+            Kind::ServiceEntry => "ServiceEntry",
+            Kind::WorkloadEntry => "WorkloadEntry",
+            Kind::PeerAuthentication => "PeerAuthentication",
+            Kind::AuthorizationPolicy => "AuthorizationPolicy",
+        }
+    }
+
+    /// Parses a Kubernetes `kind` string.
+    pub fn from_kind_str(s: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+
+    /// False only for cluster-scoped kinds.
+    pub fn is_namespaced(self) -> bool {
+        self != Kind::Namespace
+    }
+
+    /// The `apiVersion` spellings accepted for this kind.
+    pub fn api_versions(self) -> &'static [&'static str] {
+        match self {
+            Kind::Namespace | Kind::Pod | Kind::Service => &["v1"],
+            Kind::EndpointSlice => &["discovery.k8s.io/v1", "discovery.k8s.io/v1beta1"],
+            Kind::ServiceEntry | Kind::WorkloadEntry => &[
+                "networking.istio.io/v1",
+                "networking.istio.io/v1beta1",
+                "networking.istio.io/v1alpha3",
+            ],
+            Kind::PeerAuthentication | Kind::AuthorizationPolicy => {
+                &["security.istio.io/v1", "security.istio.io/v1beta1"]
+            }
+        }
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Identity of an object: `kind/namespace/name` (namespace empty for
+/// cluster-scoped kinds).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct ObjectKey {
+    pub kind: Kind,
+    pub namespace: String,
+    pub name: String,
+}
+
+impl ObjectKey {
+    pub fn new(kind: Kind, namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        Self {
+            kind,
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+}
+
+impl fmt::Display for ObjectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}/{}", self.kind, self.namespace, self.name)
+    }
+}
+
+/// One object of any supported kind.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Object {
+    Namespace(Namespace),
+    Pod(Pod),
+    Service(Service),
+    EndpointSlice(EndpointSlice),
+    ServiceEntry(Box<ServiceEntry>),
+    WorkloadEntry(WorkloadEntry),
+    PeerAuthentication(PeerAuthentication),
+    AuthorizationPolicy(AuthorizationPolicy),
+}
+
+impl Object {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Object::Namespace(_) => Kind::Namespace,
+            Object::Pod(_) => Kind::Pod,
+            Object::Service(_) => Kind::Service,
+            Object::EndpointSlice(_) => Kind::EndpointSlice,
+            Object::ServiceEntry(_) => Kind::ServiceEntry,
+            Object::WorkloadEntry(_) => Kind::WorkloadEntry,
+            Object::PeerAuthentication(_) => Kind::PeerAuthentication,
+            Object::AuthorizationPolicy(_) => Kind::AuthorizationPolicy,
+        }
+    }
+
+    pub fn metadata(&self) -> &ObjectMeta {
+        match self {
+            Object::Namespace(o) => &o.metadata,
+            Object::Pod(o) => &o.metadata,
+            Object::Service(o) => &o.metadata,
+            Object::EndpointSlice(o) => &o.metadata,
+            Object::ServiceEntry(o) => &o.metadata,
+            Object::WorkloadEntry(o) => &o.metadata,
+            Object::PeerAuthentication(o) => &o.metadata,
+            Object::AuthorizationPolicy(o) => &o.metadata,
+        }
+    }
+
+    pub(crate) fn metadata_mut(&mut self) -> &mut ObjectMeta {
+        match self {
+            Object::Namespace(o) => &mut o.metadata,
+            Object::Pod(o) => &mut o.metadata,
+            Object::Service(o) => &mut o.metadata,
+            Object::EndpointSlice(o) => &mut o.metadata,
+            Object::ServiceEntry(o) => &mut o.metadata,
+            Object::WorkloadEntry(o) => &mut o.metadata,
+            Object::PeerAuthentication(o) => &mut o.metadata,
+            Object::AuthorizationPolicy(o) => &mut o.metadata,
+        }
+    }
+
+    pub fn key(&self) -> ObjectKey {
+        let m = self.metadata();
+        ObjectKey::new(self.kind(), m.namespace.clone(), m.name.clone())
+    }
+}
+
+/// Deserializes `null` as the type's default (the API server writes
+/// `endpoints: null`, people write `labels: ~`).
+pub(crate) fn nullable<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
+pub type Labels = BTreeMap<String, String>;
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ObjectMeta {
+    #[serde(deserialize_with = "nullable")]
+    pub name: String,
+    #[serde(deserialize_with = "nullable")]
+    pub namespace: String,
+    #[serde(deserialize_with = "nullable")]
+    pub uid: String,
+    #[serde(deserialize_with = "nullable")]
+    pub labels: Labels,
+    #[serde(deserialize_with = "nullable")]
+    pub annotations: Labels,
+    #[serde(deserialize_with = "nullable")]
+    pub owner_references: Vec<OwnerReference>,
+    pub deletion_timestamp: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct OwnerReference {
+    pub kind: String,
+    pub name: String,
+    pub controller: Option<bool>,
+}
+
+/// A label selector (`matchLabels` only; `matchExpressions` are not used by
+/// the Istio APIs we read).
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct LabelSelector {
+    #[serde(deserialize_with = "nullable")]
+    pub match_labels: Labels,
+}
+
+/// True when every `selector` label is present with the same value.
+pub fn selector_matches(selector: &Labels, labels: &Labels) -> bool {
+    selector
+        .iter()
+        .all(|(k, v)| labels.get(k).is_some_and(|x| x == v))
+}
+
+// ---------------------------------------------------------------- core/v1
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Namespace {
+    pub metadata: ObjectMeta,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Pod {
+    pub metadata: ObjectMeta,
+    pub spec: PodSpec,
+    pub status: PodStatus,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct PodSpec {
+    #[serde(deserialize_with = "nullable")]
+    pub node_name: String,
+    /// Defaults to `default` (set by decoding when absent).
+    #[serde(deserialize_with = "nullable")]
+    pub service_account_name: String,
+    /// Deprecated alias of `serviceAccountName`.
+    #[serde(deserialize_with = "nullable")]
+    pub service_account: String,
+    #[serde(deserialize_with = "nullable")]
+    pub host_network: bool,
+    #[serde(deserialize_with = "nullable")]
+    pub containers: Vec<Container>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Container {
+    pub name: String,
+    #[serde(deserialize_with = "nullable")]
+    pub ports: Vec<ContainerPort>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ContainerPort {
+    #[serde(deserialize_with = "nullable")]
+    pub name: String,
+    #[serde(deserialize_with = "port_number")]
+    pub container_port: u16,
+    #[serde(deserialize_with = "nullable")]
+    pub protocol: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct PodStatus {
+    #[serde(deserialize_with = "nullable")]
+    pub phase: String,
+    #[serde(rename = "podIP", deserialize_with = "optional_ip")]
+    pub pod_ip: Option<IpAddr>,
+    #[serde(rename = "podIPs", deserialize_with = "nullable")]
+    pub pod_ips: Vec<PodIp>,
+    #[serde(deserialize_with = "nullable")]
+    pub conditions: Vec<PodCondition>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct PodIp {
+    pub ip: IpAddr,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct PodCondition {
+    #[serde(rename = "type")]
+    pub type_: String,
+    pub status: String,
+}
+
+impl Pod {
+    /// All pod IPs, `podIPs` first, without duplicates.
+    pub fn ips(&self) -> Vec<IpAddr> {
+        let mut out: Vec<IpAddr> = Vec::with_capacity(self.status.pod_ips.len().max(1));
+        for ip in self
+            .status
+            .pod_ips
+            .iter()
+            .map(|p| p.ip)
+            .chain(self.status.pod_ip)
+        {
+            if !out.contains(&ip) {
+                out.push(ip);
+            }
+        }
+        out
+    }
+
+    /// The service account (`default` when unset).
+    pub fn service_account(&self) -> &str {
+        if !self.spec.service_account_name.is_empty() {
+            &self.spec.service_account_name
+        } else if !self.spec.service_account.is_empty() {
+            &self.spec.service_account
+        } else {
+            "default"
+        }
+    }
+
+    /// Succeeded or Failed: the pod is gone and its IP may be reused.
+    pub fn is_terminal(&self) -> bool {
+        matches!(self.status.phase.as_str(), "Succeeded" | "Failed")
+    }
+
+    /// Running (or phase not given) and Ready (or condition not given) and
+    /// not being deleted.
+    pub fn is_healthy(&self) -> bool {
+        let running = self.status.phase.is_empty() || self.status.phase == "Running";
+        let ready = self
+            .status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Ready")
+            .is_none_or(|c| c.status == "True");
+        running && ready && self.metadata.deletion_timestamp.is_none()
+    }
+
+    /// Resolves a named container port.
+    pub fn container_port(&self, name: &str) -> Option<u16> {
+        self.spec
+            .containers
+            .iter()
+            .flat_map(|c| c.ports.iter())
+            .find(|p| p.name == name)
+            .map(|p| p.container_port)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Service {
+    pub metadata: ObjectMeta,
+    pub spec: ServiceSpec,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ServiceSpec {
+    #[serde(rename = "type", deserialize_with = "nullable")]
+    pub type_: String,
+    /// As written: an IP, `None` (headless) or empty.
+    #[serde(rename = "clusterIP", deserialize_with = "nullable")]
+    pub cluster_ip: String,
+    #[serde(rename = "clusterIPs", deserialize_with = "nullable")]
+    pub cluster_ips: Vec<String>,
+    #[serde(deserialize_with = "nullable")]
+    pub ports: Vec<ServicePort>,
+    /// `None` and empty both mean "no selector".
+    pub selector: Option<Labels>,
+    /// Parsed virtual IPs (set by decoding; empty when headless).
+    #[serde(skip)]
+    pub vips: Vec<IpAddr>,
+}
+
+impl Service {
+    pub fn is_headless(&self) -> bool {
+        self.spec.cluster_ip == "None"
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ServicePort {
+    #[serde(deserialize_with = "nullable")]
+    pub name: String,
+    #[serde(deserialize_with = "port_number")]
+    pub port: u16,
+    pub target_port: Option<TargetPort>,
+    #[serde(deserialize_with = "nullable")]
+    pub protocol: String,
+}
+
+/// A Service `targetPort`: a number or the name of a container port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TargetPort {
+    Number(u16),
+    Name(String),
+}
+
+impl<'de> Deserialize<'de> for TargetPort {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = TargetPort;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a port number (1-65535) or a port name (lowercase letters, digits, '-', at most 15 characters)")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<TargetPort, E> {
+                check_port(v as i64)
+                    .map(TargetPort::Number)
+                    .map_err(E::custom)
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<TargetPort, E> {
+                check_port(v).map(TargetPort::Number).map_err(E::custom)
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<TargetPort, E> {
+                if let Ok(n) = v.parse::<i64>() {
+                    return check_port(n).map(TargetPort::Number).map_err(E::custom);
+                }
+                if is_port_name(v) {
+                    Ok(TargetPort::Name(v.to_string()))
+                } else {
+                    Err(E::custom(format!(
+                        "{v:?} is neither a port number (1-65535) nor a valid port name (lowercase letters, digits and '-', at most 15 characters, at least one letter)"
+                    )))
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+fn check_port(v: i64) -> Result<u16, String> {
+    if (1..=65535).contains(&v) {
+        Ok(v as u16)
+    } else {
+        Err(format!("port {v} is out of range; use 1-65535"))
+    }
+}
+
+/// An IANA_SVC_NAME as Kubernetes validates port names.
+pub fn is_port_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 15
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && s.bytes().any(|b| b.is_ascii_lowercase())
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+        && !s.contains("--")
+}
+
+/// Deserializes a port number 1-65535 (not a string).
+pub(crate) fn port_number<'de, D: Deserializer<'de>>(d: D) -> Result<u16, D::Error> {
+    struct V;
+    impl Visitor<'_> for V {
+        type Value = u16;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a port number (1-65535)")
+        }
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<u16, E> {
+            check_port(v.min(i64::MAX as u64) as i64).map_err(E::custom)
+        }
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<u16, E> {
+            check_port(v).map_err(E::custom)
+        }
+    }
+    d.deserialize_any(V)
+}
+
+fn optional_port_number<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u16>, D::Error> {
+    #[derive(Deserialize)]
+    struct W(#[serde(deserialize_with = "port_number")] u16);
+    Ok(Option::<W>::deserialize(d)?.map(|w| w.0))
+}
+
+/// Deserializes an IP address; empty string and null mean absent.
+fn optional_ip<'de, D: Deserializer<'de>>(d: D) -> Result<Option<IpAddr>, D::Error> {
+    match Option::<String>::deserialize(d)? {
+        None => Ok(None),
+        Some(s) if s.is_empty() => Ok(None),
+        Some(s) => s
+            .parse()
+            .map(Some)
+            .map_err(|_| de::Error::custom(format!("{s:?} is not a valid IP address"))),
+    }
+}
+
+// ------------------------------------------------------ discovery.k8s.io/v1
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct EndpointSlice {
+    pub metadata: ObjectMeta,
+    #[serde(deserialize_with = "nullable")]
+    pub address_type: String,
+    #[serde(deserialize_with = "nullable")]
+    pub endpoints: Vec<Endpoint>,
+    #[serde(deserialize_with = "nullable")]
+    pub ports: Vec<EndpointPort>,
+}
+
+impl EndpointSlice {
+    /// The Service this slice belongs to (label `kubernetes.io/service-name`).
+    pub fn service_name(&self) -> Option<&str> {
+        self.metadata
+            .labels
+            .get(LABEL_SERVICE_NAME)
+            .map(String::as_str)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Endpoint {
+    #[serde(deserialize_with = "nullable")]
+    pub addresses: Vec<String>,
+    pub conditions: EndpointConditions,
+    pub target_ref: Option<ObjectReference>,
+    #[serde(deserialize_with = "nullable")]
+    pub node_name: String,
+    /// Parsed `addresses` (set by decoding; empty for FQDN slices).
+    #[serde(skip)]
+    pub ips: Vec<IpAddr>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct EndpointConditions {
+    pub ready: Option<bool>,
+    pub serving: Option<bool>,
+    pub terminating: Option<bool>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ObjectReference {
+    #[serde(deserialize_with = "nullable")]
+    pub kind: String,
+    #[serde(deserialize_with = "nullable")]
+    pub name: String,
+    #[serde(deserialize_with = "nullable")]
+    pub namespace: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct EndpointPort {
+    #[serde(deserialize_with = "nullable")]
+    pub name: String,
+    #[serde(deserialize_with = "optional_port_number")]
+    pub port: Option<u16>,
+    #[serde(deserialize_with = "nullable")]
+    pub protocol: String,
+}
+
+// --------------------------------------------------- networking.istio.io
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ServiceEntry {
+    pub metadata: ObjectMeta,
+    pub spec: ServiceEntrySpec,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ServiceEntrySpec {
+    #[serde(deserialize_with = "nullable")]
+    pub hosts: Vec<String>,
+    /// As written: IPs or CIDRs.
+    #[serde(deserialize_with = "nullable")]
+    pub addresses: Vec<String>,
+    #[serde(deserialize_with = "nullable")]
+    pub ports: Vec<ServiceEntryPort>,
+    #[serde(deserialize_with = "nullable")]
+    pub location: Location,
+    #[serde(deserialize_with = "nullable")]
+    pub resolution: Resolution,
+    #[serde(deserialize_with = "nullable")]
+    pub endpoints: Vec<WorkloadEntrySpec>,
+    pub workload_selector: Option<WorkloadSelector>,
+    #[serde(deserialize_with = "nullable")]
+    pub export_to: Vec<String>,
+    #[serde(deserialize_with = "nullable")]
+    pub subject_alt_names: Vec<String>,
+    /// Virtual IPs from `addresses` that are single hosts (set by decoding).
+    #[serde(skip)]
+    pub vips: Vec<IpAddr>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ServiceEntryPort {
+    #[serde(deserialize_with = "port_number")]
+    pub number: u16,
+    #[serde(deserialize_with = "nullable")]
+    pub protocol: String,
+    #[serde(deserialize_with = "nullable")]
+    pub name: String,
+    #[serde(deserialize_with = "optional_port_number")]
+    pub target_port: Option<u16>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Location {
+    #[default]
+    MeshExternal,
+    MeshInternal,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Resolution {
+    #[default]
+    None,
+    Static,
+    Dns,
+    DnsRoundRobin,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct WorkloadSelector {
+    #[serde(deserialize_with = "nullable")]
+    pub labels: Labels,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct WorkloadEntry {
+    pub metadata: ObjectMeta,
+    pub spec: WorkloadEntrySpec,
+}
+
+/// The spec of a WorkloadEntry, also used for ServiceEntry inline endpoints.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct WorkloadEntrySpec {
+    /// An IP, a DNS name or a `unix://` path.
+    #[serde(deserialize_with = "nullable")]
+    pub address: String,
+    /// Port name (of the service port) -> port number on this endpoint.
+    #[serde(deserialize_with = "port_map")]
+    pub ports: BTreeMap<String, u16>,
+    #[serde(deserialize_with = "nullable")]
+    pub labels: Labels,
+    #[serde(deserialize_with = "nullable")]
+    pub network: String,
+    #[serde(deserialize_with = "nullable")]
+    pub locality: String,
+    pub weight: Option<u32>,
+    #[serde(deserialize_with = "nullable")]
+    pub service_account: String,
+}
+
+impl WorkloadEntrySpec {
+    /// The address when it is an IP.
+    pub fn ip(&self) -> Option<IpAddr> {
+        self.address.parse().ok()
+    }
+}
+
+fn port_map<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, u16>, D::Error> {
+    #[derive(Deserialize)]
+    struct W(#[serde(deserialize_with = "port_number")] u16);
+    let m: BTreeMap<String, W> = nullable(d)?;
+    Ok(m.into_iter().map(|(k, v)| (k, v.0)).collect())
+}
+
+// ----------------------------------------------------- security.istio.io
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct PeerAuthentication {
+    pub metadata: ObjectMeta,
+    pub spec: PeerAuthenticationSpec,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct PeerAuthenticationSpec {
+    pub selector: Option<LabelSelector>,
+    pub mtls: Option<Mtls>,
+    /// Port number -> mode.
+    #[serde(deserialize_with = "port_keyed")]
+    pub port_level_mtls: BTreeMap<u16, Mtls>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Mtls {
+    #[serde(deserialize_with = "nullable")]
+    pub mode: MtlsMode,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum MtlsMode {
+    #[default]
+    Unset,
+    Disable,
+    Permissive,
+    Strict,
+}
+
+fn port_keyed<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<u16, Mtls>, D::Error> {
+    let m: BTreeMap<String, Mtls> = nullable(d)?;
+    m.into_iter()
+        .map(|(k, v)| {
+            let port = k
+                .parse::<i64>()
+                .map_err(|_| format!("key {k:?} is not a port number"))
+                .and_then(check_port)
+                .map_err(de::Error::custom)?;
+            Ok((port, v))
+        })
+        .collect()
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct AuthorizationPolicy {
+    pub metadata: ObjectMeta,
+    pub spec: AuthorizationPolicySpec,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct AuthorizationPolicySpec {
+    pub selector: Option<LabelSelector>,
+    pub target_ref: Option<PolicyTargetReference>,
+    #[serde(deserialize_with = "nullable")]
+    pub target_refs: Vec<PolicyTargetReference>,
+    #[serde(deserialize_with = "nullable")]
+    pub action: AuthorizationAction,
+    pub provider: Option<ExtensionProvider>,
+    /// `None` (no `rules` field) and `Some([])` differ only for DENY/ALLOW
+    /// semantics in Istio in the same way: no rule matches nothing.
+    #[serde(deserialize_with = "nullable")]
+    pub rules: Vec<AuthorizationRule>,
+}
+
+impl AuthorizationPolicySpec {
+    /// Selector labels; empty when the policy has no selector.
+    pub fn selector_labels(&self) -> Option<&Labels> {
+        self.selector
+            .as_ref()
+            .map(|s| &s.match_labels)
+            .filter(|m| !m.is_empty())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct PolicyTargetReference {
+    #[serde(deserialize_with = "nullable")]
+    pub group: String,
+    #[serde(deserialize_with = "nullable")]
+    pub kind: String,
+    #[serde(deserialize_with = "nullable")]
+    pub name: String,
+    #[serde(deserialize_with = "nullable")]
+    pub namespace: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ExtensionProvider {
+    pub name: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum AuthorizationAction {
+    #[default]
+    Allow,
+    Deny,
+    Audit,
+    Custom,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct AuthorizationRule {
+    #[serde(deserialize_with = "nullable")]
+    pub from: Vec<RuleFrom>,
+    #[serde(deserialize_with = "nullable")]
+    pub to: Vec<RuleTo>,
+    #[serde(deserialize_with = "nullable")]
+    pub when: Vec<Condition>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct RuleFrom {
+    pub source: Source,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct RuleTo {
+    pub operation: Operation,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Source {
+    #[serde(deserialize_with = "nullable")]
+    pub principals: Vec<String>,
+    #[serde(deserialize_with = "nullable")]
+    pub not_principals: Vec<String>,
+    #[serde(deserialize_with = "nullable")]
+    pub request_principals: Vec<String>,
+    #[serde(deserialize_with = "nullable")]
+    pub not_request_principals: Vec<String>,
+    #[serde(deserialize_with = "nullable")]
+    pub namespaces: Vec<String>,
+    #[serde(deserialize_with = "nullable")]
+    pub not_namespaces: Vec<String>,
+    #[serde(deserialize_with = "nullable")]
+    pub ip_blocks: Vec<Cidr>,
+    #[serde(deserialize_with = "nullable")]
+    pub not_ip_blocks: Vec<Cidr>,
+    #[serde(deserialize_with = "nullable")]
+    pub remote_ip_blocks: Vec<Cidr>,
+    #[serde(deserialize_with = "nullable")]
+    pub not_remote_ip_blocks: Vec<Cidr>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Operation {
+    #[serde(deserialize_with = "nullable")]
+    pub hosts: Vec<String>,
+    #[serde(deserialize_with = "nullable")]
+    pub not_hosts: Vec<String>,
+    #[serde(deserialize_with = "nullable")]
+    pub ports: Vec<PolicyPort>,
+    #[serde(deserialize_with = "nullable")]
+    pub not_ports: Vec<PolicyPort>,
+    #[serde(deserialize_with = "nullable")]
+    pub methods: Vec<String>,
+    #[serde(deserialize_with = "nullable")]
+    pub not_methods: Vec<String>,
+    #[serde(deserialize_with = "nullable")]
+    pub paths: Vec<String>,
+    #[serde(deserialize_with = "nullable")]
+    pub not_paths: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Condition {
+    #[serde(deserialize_with = "nullable")]
+    pub key: String,
+    #[serde(deserialize_with = "nullable")]
+    pub values: Vec<String>,
+    #[serde(deserialize_with = "nullable")]
+    pub not_values: Vec<String>,
+}
+
+/// A port in an AuthorizationPolicy: Istio writes them as strings ("8080"),
+/// people write numbers; both are accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolicyPort(pub u16);
+
+impl<'de> Deserialize<'de> for PolicyPort {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.trim()
+            .parse::<i64>()
+            .map_err(|_| format!("{s:?} is not a port number"))
+            .and_then(check_port)
+            .map(PolicyPort)
+            .map_err(de::Error::custom)
+    }
+}
+
+/// An IP block: `10.0.0.0/8`, or a single IP (full-length prefix).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    pub len: u8,
+}
+
+impl Cidr {
+    /// Single-host prefix (`/32` or `/128`).
+    pub fn is_host(&self) -> bool {
+        self.len == if self.addr.is_ipv4() { 32 } else { 128 }
+    }
+}
+
+impl FromStr for Cidr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("{s:?} is not an IP address or CIDR (e.g. 10.0.0.0/8)");
+        let (ip, len) = match s.split_once('/') {
+            Some((ip, len)) => (ip, Some(len)),
+            None => (s, None),
+        };
+        let addr: IpAddr = ip.trim().parse().map_err(|_| bad())?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let len = match len {
+            Some(l) => l
+                .trim()
+                .parse::<u8>()
+                .ok()
+                .filter(|l| *l <= max)
+                .ok_or_else(bad)?,
+            None => max,
+        };
+        Ok(Cidr { addr, len })
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.len)
+    }
+}
+
+impl<'de> Deserialize<'de> for Cidr {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(de::Error::custom)
+    }
+}

@@ -1,0 +1,249 @@
+//! The model's object store: every accepted object, indexed by namespace so
+//! translation can work one namespace at a time, plus the current set of
+//! configuration errors. Owned by the model's single writer task.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::objects::{
+    AuthorizationPolicy, EndpointSlice, Kind, Labels, Namespace, Object, ObjectKey,
+    PeerAuthentication, Pod, Service, ServiceEntry, WorkloadEntry,
+};
+use super::snapshot::{ResourceSet, Snapshot};
+use super::{Change, ConfigError, ModelOptions, translate};
+
+/// The objects of one namespace, by name.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct NamespaceObjects {
+    pub pods: BTreeMap<String, Pod>,
+    pub services: BTreeMap<String, Service>,
+    pub endpoint_slices: BTreeMap<String, EndpointSlice>,
+    pub service_entries: BTreeMap<String, ServiceEntry>,
+    pub workload_entries: BTreeMap<String, WorkloadEntry>,
+    pub peer_authentications: BTreeMap<String, PeerAuthentication>,
+    pub authorization_policies: BTreeMap<String, AuthorizationPolicy>,
+}
+
+impl NamespaceObjects {
+    fn is_empty(&self) -> bool {
+        self.pods.is_empty()
+            && self.services.is_empty()
+            && self.endpoint_slices.is_empty()
+            && self.service_entries.is_empty()
+            && self.workload_entries.is_empty()
+            && self.peer_authentications.is_empty()
+            && self.authorization_policies.is_empty()
+    }
+
+    fn len(&self) -> usize {
+        self.pods.len()
+            + self.services.len()
+            + self.endpoint_slices.len()
+            + self.service_entries.len()
+            + self.workload_entries.len()
+            + self.peer_authentications.len()
+            + self.authorization_policies.len()
+    }
+}
+
+/// All accepted objects and the current configuration errors.
+#[derive(Debug, Default, Clone)]
+pub struct Store {
+    namespaces: BTreeMap<String, Namespace>,
+    spaces: BTreeMap<String, NamespaceObjects>,
+    errors: BTreeMap<String, Vec<ConfigError>>,
+}
+
+static NO_LABELS: Labels = Labels::new();
+
+/// Inserts `v` under `k` unless an equal value is already there; true when
+/// the map changed.
+fn put<T: PartialEq>(map: &mut BTreeMap<String, T>, k: String, v: T) -> bool {
+    match map.get_mut(&k) {
+        Some(old) if *old == v => false,
+        Some(old) => {
+            *old = v;
+            true
+        }
+        None => {
+            map.insert(k, v);
+            true
+        }
+    }
+}
+
+impl Store {
+    /// A store holding `objects` (later duplicates win), without errors.
+    pub fn from_objects(objects: Vec<Object>) -> Store {
+        let mut s = Store::default();
+        for o in objects {
+            s.upsert(o);
+        }
+        s
+    }
+
+    /// Applies one change; true when the store changed.
+    pub fn apply(&mut self, change: Change) -> bool {
+        match change {
+            Change::Upsert(o) => self.upsert(o),
+            Change::Delete(k) => self.delete(&k),
+        }
+    }
+
+    /// Inserts or replaces an object; true when the store changed.
+    pub fn upsert(&mut self, obj: Object) -> bool {
+        let meta = obj.metadata();
+        let name = meta.name.clone();
+        if let Object::Namespace(n) = obj {
+            return put(&mut self.namespaces, name, n);
+        }
+        let ns = self.spaces.entry(meta.namespace.clone()).or_default();
+        match obj {
+            Object::Namespace(_) => false,
+            Object::Pod(o) => put(&mut ns.pods, name, o),
+            Object::Service(o) => put(&mut ns.services, name, o),
+            Object::EndpointSlice(o) => put(&mut ns.endpoint_slices, name, o),
+            Object::ServiceEntry(o) => put(&mut ns.service_entries, name, *o),
+            Object::WorkloadEntry(o) => put(&mut ns.workload_entries, name, o),
+            Object::PeerAuthentication(o) => put(&mut ns.peer_authentications, name, o),
+            Object::AuthorizationPolicy(o) => put(&mut ns.authorization_policies, name, o),
+        }
+    }
+
+    /// Removes an object; true when it existed.
+    pub fn delete(&mut self, key: &ObjectKey) -> bool {
+        if key.kind == Kind::Namespace {
+            return self.namespaces.remove(&key.name).is_some();
+        }
+        let Some(ns) = self.spaces.get_mut(&key.namespace) else {
+            return false;
+        };
+        let n = &key.name;
+        let removed = match key.kind {
+            Kind::Namespace => false,
+            Kind::Pod => ns.pods.remove(n).is_some(),
+            Kind::Service => ns.services.remove(n).is_some(),
+            Kind::EndpointSlice => ns.endpoint_slices.remove(n).is_some(),
+            Kind::ServiceEntry => ns.service_entries.remove(n).is_some(),
+            Kind::WorkloadEntry => ns.workload_entries.remove(n).is_some(),
+            Kind::PeerAuthentication => ns.peer_authentications.remove(n).is_some(),
+            Kind::AuthorizationPolicy => ns.authorization_policies.remove(n).is_some(),
+        };
+        if ns.is_empty() {
+            self.spaces.remove(&key.namespace);
+        }
+        removed
+    }
+
+    /// Looks an object up (cloned; for tests and debugging).
+    pub fn get(&self, key: &ObjectKey) -> Option<Object> {
+        if key.kind == Kind::Namespace {
+            return self
+                .namespaces
+                .get(&key.name)
+                .cloned()
+                .map(Object::Namespace);
+        }
+        let ns = self.spaces.get(&key.namespace)?;
+        let n = &key.name;
+        match key.kind {
+            Kind::Namespace => None,
+            Kind::Pod => ns.pods.get(n).cloned().map(Object::Pod),
+            Kind::Service => ns.services.get(n).cloned().map(Object::Service),
+            Kind::EndpointSlice => ns
+                .endpoint_slices
+                .get(n)
+                .cloned()
+                .map(Object::EndpointSlice),
+            Kind::ServiceEntry => ns
+                .service_entries
+                .get(n)
+                .cloned()
+                .map(|o| Object::ServiceEntry(Box::new(o))),
+            Kind::WorkloadEntry => ns
+                .workload_entries
+                .get(n)
+                .cloned()
+                .map(Object::WorkloadEntry),
+            Kind::PeerAuthentication => ns
+                .peer_authentications
+                .get(n)
+                .cloned()
+                .map(Object::PeerAuthentication),
+            Kind::AuthorizationPolicy => ns
+                .authorization_policies
+                .get(n)
+                .cloned()
+                .map(Object::AuthorizationPolicy),
+        }
+    }
+
+    /// Number of objects held.
+    pub fn len(&self) -> usize {
+        self.namespaces.len()
+            + self
+                .spaces
+                .values()
+                .map(NamespaceObjects::len)
+                .sum::<usize>()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Replaces the errors of one scope (a file, or a source-defined scope);
+    /// an empty list clears it. True when the error set changed.
+    pub fn set_errors(&mut self, scope: String, errors: Vec<ConfigError>) -> bool {
+        if errors.is_empty() {
+            return self.errors.remove(&scope).is_some();
+        }
+        put(&mut self.errors, scope, errors)
+    }
+
+    /// All current errors, ordered by scope.
+    pub fn errors(&self) -> Vec<ConfigError> {
+        self.errors.values().flatten().cloned().collect()
+    }
+
+    /// Labels of a namespace (empty when the Namespace object is unknown).
+    pub fn namespace_labels(&self, ns: &str) -> &Labels {
+        self.namespaces
+            .get(ns)
+            .map(|n| &n.metadata.labels)
+            .unwrap_or(&NO_LABELS)
+    }
+
+    /// Namespaces that hold at least one namespaced object, with their objects.
+    pub fn spaces(&self) -> impl Iterator<Item = (&str, &NamespaceObjects)> {
+        self.spaces.iter().map(|(k, v)| (k.as_str(), v))
+    }
+}
+
+/// Translates `store` into a new snapshot following `prev`: `seq` is
+/// `prev.seq + 1`, unchanged resources keep `prev`'s `Arc`s, deltas are
+/// against `prev`, `synced` is carried over from `prev`.
+pub fn build_snapshot(store: &Store, prev: &Snapshot, opts: &ModelOptions) -> Snapshot {
+    let started = Instant::now();
+    let out = translate::translate(store, opts);
+    let (addresses, address_delta) = ResourceSet::build(&prev.addresses, out.addresses);
+    let (authorizations, authorization_delta) =
+        ResourceSet::build(&prev.authorizations, out.authorizations);
+    let errors = store.errors();
+    let errors = if *prev.errors == errors {
+        prev.errors.clone()
+    } else {
+        Arc::new(errors)
+    };
+    Snapshot {
+        seq: prev.seq + 1,
+        addresses,
+        authorizations,
+        address_delta,
+        authorization_delta,
+        synced: prev.synced,
+        errors,
+        build_time: started.elapsed(),
+    }
+}

@@ -1,0 +1,767 @@
+//! Translation of the store into the workload discovery API
+//! (`istio.workload.Address`) and L4 authorization (`istio.security.Authorization`),
+//! following Istio's ambient semantics.
+//!
+//! Work is done one namespace at a time: selectors are matched through a
+//! per-namespace label index, so the cost is linear in the number of
+//! objects and memberships.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{Hash, Hasher};
+use std::net::IpAddr;
+
+use ambit_proto::ADDRESS_TYPE_URL;
+use ambit_proto::workload::{
+    Address, GatewayAddress, NamespacedHostname, NetworkAddress, Port, PortList,
+    Service as XdsService, TunnelProtocol, Workload, WorkloadStatus, WorkloadType, address,
+    gateway_address,
+};
+use prost::Message;
+use prost::encoding::{WireType, encode_key, encode_varint};
+
+use super::ModelOptions;
+use super::authz;
+use super::objects::{
+    EndpointSlice, LABEL_DATAPLANE_MODE, LABEL_USE_WAYPOINT, LABEL_USE_WAYPOINT_NAMESPACE, Labels,
+    Location, Pod, Service, ServiceEntry, TargetPort, WorkloadEntry, WorkloadEntrySpec,
+};
+use super::snapshot::XdsResource;
+use super::store::{NamespaceObjects, Store};
+
+/// DNS domain of the cluster (service hostnames `name.ns.svc.<suffix>`).
+pub const DOMAIN_SUFFIX: &str = "cluster.local";
+/// Namespaces whose selector-less policies apply mesh-wide.
+pub const ROOT_NAMESPACES: [&str; 2] = ["istio-system", "ambit-system"];
+/// HBONE port of waypoints.
+pub const HBONE_PORT: u32 = 15008;
+/// Label carried by the pods and services of a Gateway (waypoints included).
+const LABEL_GATEWAY_NAME: &str = "gateway.networking.k8s.io/gateway-name";
+
+/// Translated, encoded resources.
+#[derive(Debug, Default)]
+pub struct Translated {
+    pub addresses: Vec<XdsResource>,
+    pub authorizations: Vec<XdsResource>,
+}
+
+/// What a workload was made from, for per-workload target port resolution.
+#[derive(Clone, Copy)]
+pub(crate) enum Backing<'a> {
+    Pod(&'a Pod),
+    Entry(&'a WorkloadEntrySpec),
+    Plain,
+}
+
+/// A workload under construction.
+pub(crate) struct Wl<'a> {
+    pub w: Workload,
+    pub backing: Backing<'a>,
+    /// Labels selectors see (pods and WorkloadEntries only).
+    pub selectable: Option<LabelView<'a>>,
+    /// "namespace/hostname" -> ports.
+    pub services: BTreeMap<String, Vec<Port>>,
+}
+
+impl Wl<'_> {
+    fn add_port(&mut self, key: &str, port: Port) {
+        let ports = match self.services.get_mut(key) {
+            Some(p) => p,
+            None => self.services.entry(key.to_string()).or_default(),
+        };
+        if !ports.iter().any(|p| p.service_port == port.service_port) {
+            ports.push(port);
+        }
+    }
+}
+
+/// Label view of a selectable workload: primary labels, then fallbacks
+/// (a WorkloadEntry's metadata labels behind its spec labels).
+#[derive(Clone, Copy)]
+pub(crate) struct LabelView<'a> {
+    /// Index into the global workload list.
+    pub idx: usize,
+    pub labels: &'a Labels,
+    pub extra: Option<&'a Labels>,
+}
+
+impl LabelView<'_> {
+    fn get(&self, k: &str) -> Option<&str> {
+        self.labels
+            .get(k)
+            .or_else(|| self.extra.and_then(|e| e.get(k)))
+            .map(String::as_str)
+    }
+
+    pub fn matches(&self, selector: &Labels) -> bool {
+        selector
+            .iter()
+            .all(|(k, v)| self.get(k) == Some(v.as_str()))
+    }
+}
+
+/// Label index over the selectable workloads (pods, WorkloadEntries) of one
+/// namespace.
+pub(crate) struct LabelIndex<'a> {
+    pub views: Vec<LabelView<'a>>,
+    postings: HashMap<(&'a str, &'a str), Vec<u32>>,
+}
+
+impl<'a> LabelIndex<'a> {
+    fn build(views: Vec<LabelView<'a>>) -> Self {
+        let mut postings: HashMap<(&str, &str), Vec<u32>> = HashMap::new();
+        for (i, v) in views.iter().enumerate() {
+            let extra = v.extra.into_iter().flatten();
+            for (k, val) in v.labels.iter().chain(extra) {
+                let list = postings.entry((k.as_str(), val.as_str())).or_default();
+                if list.last() != Some(&(i as u32)) {
+                    list.push(i as u32);
+                }
+            }
+        }
+        Self { views, postings }
+    }
+
+    /// Indices (into the global workload list) of workloads matching a
+    /// non-empty selector; an empty selector selects all.
+    pub fn select(&self, selector: &Labels) -> Vec<usize> {
+        if selector.is_empty() {
+            return self.views.iter().map(|v| v.idx).collect();
+        }
+        let mut best: Option<&Vec<u32>> = None;
+        for (k, v) in selector {
+            match self.postings.get(&(k.as_str(), v.as_str())) {
+                None => return Vec::new(),
+                Some(list) if best.is_none_or(|b| list.len() < b.len()) => best = Some(list),
+                Some(_) => {}
+            }
+        }
+        best.into_iter()
+            .flatten()
+            .map(|&i| self.views[i as usize])
+            .filter(|v| v.matches(selector))
+            .map(|v| v.idx)
+            .collect()
+    }
+}
+
+/// Translates the whole store.
+pub fn translate(store: &Store, opts: &ModelOptions) -> Translated {
+    let mut wls: Vec<Wl> = Vec::new();
+    let mut out = Translated::default();
+    let mut root_policies = Vec::new();
+    for (ns, objs) in store.spaces() {
+        let ns_labels = store.namespace_labels(ns);
+        let cx = NsCx {
+            ns,
+            ns_labels,
+            objs,
+            opts,
+        };
+        let index = cx.workloads(&mut wls);
+        cx.services(&index, &mut wls, &mut out.addresses);
+        cx.service_entries(&index, &mut wls, &mut out.addresses);
+        authz::translate_namespace(
+            ns,
+            objs,
+            &index,
+            &mut wls,
+            &mut out.authorizations,
+            &mut root_policies,
+        );
+    }
+    authz::apply_root_policies(&root_policies, &mut wls);
+    out.addresses.reserve(wls.len());
+    for wl in wls {
+        out.addresses.push(workload_resource(wl));
+    }
+    out
+}
+
+struct NsCx<'a> {
+    ns: &'a str,
+    ns_labels: &'a Labels,
+    objs: &'a NamespaceObjects,
+    opts: &'a ModelOptions,
+}
+
+fn ip_bytes(ip: IpAddr) -> Vec<u8> {
+    match ip {
+        IpAddr::V4(a) => a.octets().to_vec(),
+        IpAddr::V6(a) => a.octets().to_vec(),
+    }
+}
+
+/// `istio.io/dataplane-mode`: the object's own label wins (`none` opts out,
+/// `ambient` opts in), else the namespace's `ambient` enrolls.
+pub fn is_enrolled(ns_labels: &Labels, labels: &Labels) -> bool {
+    match labels.get(LABEL_DATAPLANE_MODE).map(String::as_str) {
+        Some("none") => false,
+        Some("ambient") => true,
+        _ => ns_labels.get(LABEL_DATAPLANE_MODE).map(String::as_str) == Some("ambient"),
+    }
+}
+
+/// `istio.io/use-waypoint` on the object, else on its namespace; `none` on
+/// the object disables a namespace waypoint. Gateways never use one.
+pub fn waypoint_for(ns: &str, ns_labels: &Labels, labels: &Labels) -> Option<GatewayAddress> {
+    if labels.contains_key(LABEL_GATEWAY_NAME) {
+        return None;
+    }
+    let source = if labels.contains_key(LABEL_USE_WAYPOINT) {
+        labels
+    } else {
+        ns_labels
+    };
+    let name = source.get(LABEL_USE_WAYPOINT)?;
+    if name.is_empty() || name == "none" {
+        return None;
+    }
+    let wns = source
+        .get(LABEL_USE_WAYPOINT_NAMESPACE)
+        .map(String::as_str)
+        .filter(|s| !s.is_empty())
+        .unwrap_or(ns);
+    Some(GatewayAddress {
+        destination: Some(gateway_address::Destination::Hostname(NamespacedHostname {
+            namespace: wns.to_string(),
+            hostname: format!("{name}.{wns}.svc.{DOMAIN_SUFFIX}"),
+        })),
+        hbone_mtls_port: HBONE_PORT,
+    })
+}
+
+fn first_label<'l>(sets: &[&'l Labels], keys: &[&str]) -> Option<&'l str> {
+    keys.iter()
+        .find_map(|k| sets.iter().find_map(|s| s.get(*k)))
+        .map(String::as_str)
+}
+
+fn canonical(sets: &[&Labels], fallback_name: &str) -> (String, String) {
+    let name = first_label(
+        sets,
+        &[
+            "service.istio.io/canonical-name",
+            "app.kubernetes.io/name",
+            "app",
+        ],
+    )
+    .unwrap_or(fallback_name);
+    let rev = first_label(
+        sets,
+        &[
+            "service.istio.io/canonical-revision",
+            "app.kubernetes.io/version",
+            "version",
+        ],
+    )
+    .unwrap_or("latest");
+    (name.to_string(), rev.to_string())
+}
+
+/// The name of the controller that owns a pod (a Deployment for
+/// ReplicaSet-owned pods, when the pod-template-hash says so), else the pod
+/// name.
+pub fn pod_workload_name(pod: &Pod) -> String {
+    let m = &pod.metadata;
+    let hash = m.labels.get("pod-template-hash");
+    let owner = m
+        .owner_references
+        .iter()
+        .find(|o| o.controller == Some(true))
+        .or(m.owner_references.first());
+    if let Some(o) = owner {
+        if o.kind == "ReplicaSet"
+            && let Some(dep) = hash.and_then(|h| o.name.strip_suffix(h.as_str())?.strip_suffix('-'))
+        {
+            return dep.to_string();
+        }
+        if !o.name.is_empty() {
+            return o.name.clone();
+        }
+    }
+    if let Some(h) = hash.filter(|h| !h.is_empty()) {
+        // name = <deployment>-<hash>-<random>
+        if let Some((prefix, rand)) = m.name.rsplit_once('-')
+            && !rand.is_empty()
+            && let Some(dep) = prefix
+                .strip_suffix(h.as_str())
+                .and_then(|p| p.strip_suffix('-'))
+            && !dep.is_empty()
+        {
+            return dep.to_string();
+        }
+    }
+    m.name.clone()
+}
+
+impl<'a> NsCx<'a> {
+    fn base_workload(&self, uid: String, name: &str, ips: &[IpAddr], network: &str) -> Workload {
+        let network = if network.is_empty() {
+            self.opts.network.clone()
+        } else {
+            network.to_string()
+        };
+        Workload {
+            uid,
+            name: name.to_string(),
+            namespace: self.ns.to_string(),
+            addresses: ips.iter().copied().map(ip_bytes).collect(),
+            network,
+            trust_domain: self.opts.trust_domain.clone(),
+            workload_type: WorkloadType::Pod as i32,
+            cluster_id: self.opts.cluster_id.clone(),
+            ..Default::default()
+        }
+    }
+
+    /// Builds the pods' and WorkloadEntries' workloads and the namespace's
+    /// label index over them.
+    fn workloads(&self, wls: &mut Vec<Wl<'a>>) -> LabelIndex<'a> {
+        let mut views = Vec::with_capacity(self.objs.pods.len() + self.objs.workload_entries.len());
+        for pod in self.objs.pods.values() {
+            if pod.spec.host_network || pod.is_terminal() {
+                continue;
+            }
+            let ips = pod.ips();
+            if ips.is_empty() {
+                continue;
+            }
+            let labels = &pod.metadata.labels;
+            let name = &pod.metadata.name;
+            let uid = format!("{}//Pod/{}/{}", self.opts.cluster_id, self.ns, name);
+            let mut w = self.base_workload(uid, name, &ips, "");
+            let workload_name = pod_workload_name(pod);
+            (w.canonical_name, w.canonical_revision) = canonical(&[labels], &workload_name);
+            w.workload_name = workload_name;
+            w.service_account = pod.service_account().to_string();
+            w.node.clone_from(&pod.spec.node_name);
+            let sidecar = pod
+                .metadata
+                .annotations
+                .contains_key("sidecar.istio.io/status");
+            if !sidecar && is_enrolled(self.ns_labels, labels) {
+                w.tunnel_protocol = TunnelProtocol::Hbone as i32;
+            }
+            w.waypoint = waypoint_for(self.ns, self.ns_labels, labels);
+            if !pod.is_healthy() {
+                w.status = WorkloadStatus::Unhealthy as i32;
+            }
+            let view = LabelView {
+                idx: wls.len(),
+                labels,
+                extra: None,
+            };
+            views.push(view);
+            wls.push(Wl {
+                w,
+                backing: Backing::Pod(pod),
+                selectable: Some(view),
+                services: BTreeMap::new(),
+            });
+        }
+        for we in self.objs.workload_entries.values() {
+            if let Some(mut wl) = self.entry_workload(we) {
+                let view = LabelView {
+                    idx: wls.len(),
+                    labels: &we.spec.labels,
+                    extra: Some(&we.metadata.labels),
+                };
+                views.push(view);
+                wl.selectable = Some(view);
+                wls.push(wl);
+            }
+        }
+        LabelIndex::build(views)
+    }
+
+    fn entry_workload(&self, we: &'a WorkloadEntry) -> Option<Wl<'a>> {
+        let spec = &we.spec;
+        let name = &we.metadata.name;
+        let ip = spec.ip();
+        if ip.is_none() && !spec.address.is_empty() {
+            tracing::debug!(namespace = self.ns, name = %name, address = %spec.address, "WorkloadEntry address is not an IP; no workload is published for it");
+            return None;
+        }
+        let uid = format!(
+            "{}/networking.istio.io/WorkloadEntry/{}/{}",
+            self.opts.cluster_id, self.ns, name
+        );
+        let ips: Vec<IpAddr> = ip.into_iter().collect();
+        let mut w = self.base_workload(uid, name, &ips, &spec.network);
+        let sets = [&spec.labels, &we.metadata.labels];
+        (w.canonical_name, w.canonical_revision) = canonical(&sets, name);
+        w.workload_name.clone_from(name);
+        w.service_account = if spec.service_account.is_empty() {
+            "default".to_string()
+        } else {
+            spec.service_account.clone()
+        };
+        let mut merged;
+        let labels = if we.metadata.labels.is_empty() {
+            &spec.labels
+        } else {
+            merged = we.metadata.labels.clone();
+            merged.extend(spec.labels.iter().map(|(k, v)| (k.clone(), v.clone())));
+            &merged
+        };
+        if is_enrolled(self.ns_labels, labels) {
+            w.tunnel_protocol = TunnelProtocol::Hbone as i32;
+        }
+        w.waypoint = waypoint_for(self.ns, self.ns_labels, labels);
+        Some(Wl {
+            w,
+            backing: Backing::Entry(spec),
+            selectable: None,
+            services: BTreeMap::new(),
+        })
+    }
+
+    fn service_resource(&self, svc: XdsService, vips: &[IpAddr]) -> XdsResource {
+        let name = format!("{}/{}", svc.namespace, svc.hostname);
+        let aliases = vips
+            .iter()
+            .map(|ip| format!("{}/{}", self.opts.network, ip))
+            .collect();
+        let msg = Address {
+            r#type: Some(address::Type::Service(svc)),
+        };
+        XdsResource::new(ADDRESS_TYPE_URL, name, aliases, &msg)
+    }
+
+    /// Kubernetes Services and their endpoint memberships.
+    fn services(&self, index: &LabelIndex<'a>, wls: &mut Vec<Wl<'a>>, out: &mut Vec<XdsResource>) {
+        let objs = self.objs;
+        let mut slices: HashMap<&str, Vec<&'a EndpointSlice>> = HashMap::new();
+        for s in objs.endpoint_slices.values() {
+            if let Some(svc) = s.service_name() {
+                slices.entry(svc).or_default().push(s);
+            }
+        }
+        let mut by_name: HashMap<&str, usize> = HashMap::new();
+        let mut by_ip: HashMap<IpAddr, usize> = HashMap::new();
+        if !slices.is_empty() {
+            for v in &index.views {
+                let wl = &wls[v.idx];
+                if let Backing::Pod(p) = wl.backing {
+                    by_name.insert(p.metadata.name.as_str(), v.idx);
+                }
+                for a in &wl.w.addresses {
+                    if let Some(ip) = ip_from_bytes(a) {
+                        by_ip.entry(ip).or_insert(v.idx);
+                    }
+                }
+            }
+        }
+        let mut slice_workloads: HashMap<String, usize> = HashMap::new();
+        for (name, svc) in &objs.services {
+            let hostname = format!("{name}.{}.svc.{DOMAIN_SUFFIX}", self.ns);
+            let key = format!("{}/{}", self.ns, hostname);
+            if let Some(list) = slices.get(name.as_str()) {
+                for slice in list {
+                    self.slice_members(
+                        svc,
+                        &key,
+                        slice,
+                        &by_name,
+                        &by_ip,
+                        &mut slice_workloads,
+                        wls,
+                    );
+                }
+            } else if let Some(sel) = svc.spec.selector.as_ref().filter(|s| !s.is_empty()) {
+                for idx in index.select(sel) {
+                    let wl = &mut wls[idx];
+                    for sp in &svc.spec.ports {
+                        if let Some(t) = resolve_service_target(sp, wl.backing) {
+                            wl.add_port(
+                                &key,
+                                Port {
+                                    service_port: sp.port.into(),
+                                    target_port: t.into(),
+                                },
+                            );
+                        }
+                    }
+                }
+            }
+            let ports = svc
+                .spec
+                .ports
+                .iter()
+                .map(|p| Port {
+                    service_port: p.port.into(),
+                    target_port: match &p.target_port {
+                        None => p.port.into(),
+                        Some(TargetPort::Number(n)) => (*n).into(),
+                        Some(TargetPort::Name(_)) => 0,
+                    },
+                })
+                .collect();
+            let labels = &svc.metadata.labels;
+            let msg = XdsService {
+                name: name.clone(),
+                namespace: self.ns.to_string(),
+                hostname,
+                addresses: self.network_addresses(&svc.spec.vips),
+                ports,
+                waypoint: waypoint_for(self.ns, self.ns_labels, labels),
+                ..Default::default()
+            };
+            out.push(self.service_resource(msg, &svc.spec.vips));
+        }
+    }
+
+    fn network_addresses(&self, ips: &[IpAddr]) -> Vec<NetworkAddress> {
+        ips.iter()
+            .map(|ip| NetworkAddress {
+                network: self.opts.network.clone(),
+                address: ip_bytes(*ip),
+            })
+            .collect()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn slice_members(
+        &self,
+        svc: &'a Service,
+        key: &str,
+        slice: &'a EndpointSlice,
+        by_name: &HashMap<&str, usize>,
+        by_ip: &HashMap<IpAddr, usize>,
+        slice_workloads: &mut HashMap<String, usize>,
+        wls: &mut Vec<Wl<'a>>,
+    ) {
+        for ep in &slice.endpoints {
+            let by_ref = ep
+                .target_ref
+                .as_ref()
+                .filter(|r| r.kind == "Pod" && (r.namespace.is_empty() || r.namespace == self.ns))
+                .and_then(|r| by_name.get(r.name.as_str()).copied());
+            let mut members: Vec<usize> = by_ref.into_iter().collect();
+            if members.is_empty() {
+                for ip in &ep.ips {
+                    if let Some(&i) = by_ip.get(ip) {
+                        if !members.contains(&i) {
+                            members.push(i);
+                        }
+                        continue;
+                    }
+                    // An address no pod or WorkloadEntry has: a workload of its own.
+                    let uid = format!(
+                        "{}/discovery.k8s.io/EndpointSlice/{}/{}/{}",
+                        self.opts.cluster_id, self.ns, slice.metadata.name, ip
+                    );
+                    let i = *slice_workloads.entry(uid).or_insert_with_key(|uid| {
+                        let mut w =
+                            self.base_workload(uid.clone(), &slice.metadata.name, &[*ip], "");
+                        w.canonical_name.clone_from(&svc.metadata.name);
+                        w.canonical_revision = "latest".to_string();
+                        w.workload_name.clone_from(&slice.metadata.name);
+                        w.node.clone_from(&ep.node_name);
+                        if ep.conditions.ready == Some(false) {
+                            w.status = WorkloadStatus::Unhealthy as i32;
+                        }
+                        wls.push(Wl {
+                            w,
+                            backing: Backing::Plain,
+                            selectable: None,
+                            services: BTreeMap::new(),
+                        });
+                        wls.len() - 1
+                    });
+                    members.push(i);
+                }
+            }
+            for i in members {
+                let wl = &mut wls[i];
+                for sp in &svc.spec.ports {
+                    let target = if slice.ports.is_empty() {
+                        resolve_service_target(sp, wl.backing)
+                    } else {
+                        slice
+                            .ports
+                            .iter()
+                            .find(|p| p.name == sp.name)
+                            .and_then(|p| p.port)
+                    };
+                    if let Some(t) = target {
+                        wl.add_port(
+                            key,
+                            Port {
+                                service_port: sp.port.into(),
+                                target_port: t.into(),
+                            },
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// ServiceEntries: one service per host, workloads for inline endpoints,
+    /// memberships for selected pods and WorkloadEntries.
+    fn service_entries(
+        &self,
+        index: &LabelIndex<'a>,
+        wls: &mut Vec<Wl<'a>>,
+        out: &mut Vec<XdsResource>,
+    ) {
+        for (name, se) in &self.objs.service_entries {
+            let spec = &se.spec;
+            let keys: Vec<String> = spec
+                .hosts
+                .iter()
+                .map(|h| format!("{}/{}", self.ns, h))
+                .collect();
+            let waypoint = waypoint_for(self.ns, self.ns_labels, &se.metadata.labels);
+            for host in &spec.hosts {
+                let ports = spec
+                    .ports
+                    .iter()
+                    .map(|p| Port {
+                        service_port: p.number.into(),
+                        target_port: p.target_port.unwrap_or(p.number).into(),
+                    })
+                    .collect();
+                let msg = XdsService {
+                    name: name.clone(),
+                    namespace: self.ns.to_string(),
+                    hostname: host.clone(),
+                    addresses: self.network_addresses(&spec.vips),
+                    ports,
+                    subject_alt_names: spec.subject_alt_names.clone(),
+                    waypoint: waypoint.clone(),
+                    ..Default::default()
+                };
+                out.push(self.service_resource(msg, &spec.vips));
+            }
+            if let Some(sel) = &spec.workload_selector {
+                for idx in index.select(&sel.labels) {
+                    add_entry_ports(&mut wls[idx], se, &keys);
+                }
+            }
+            for ep in &spec.endpoints {
+                let Some(ip) = ep.ip() else {
+                    tracing::debug!(namespace = self.ns, name = %name, address = %ep.address, "ServiceEntry endpoint is not an IP; no workload is published for it");
+                    continue;
+                };
+                let uid = format!(
+                    "{}/networking.istio.io/ServiceEntry/{}/{}/{}",
+                    self.opts.cluster_id, self.ns, name, ep.address
+                );
+                let mut w = self.base_workload(uid, name, &[ip], &ep.network);
+                (w.canonical_name, w.canonical_revision) =
+                    canonical(&[&ep.labels, &se.metadata.labels], name);
+                w.workload_name.clone_from(name);
+                w.service_account = if ep.service_account.is_empty() {
+                    "default".to_string()
+                } else {
+                    ep.service_account.clone()
+                };
+                if spec.location == Location::MeshInternal
+                    && is_enrolled(self.ns_labels, &ep.labels)
+                {
+                    w.tunnel_protocol = TunnelProtocol::Hbone as i32;
+                }
+                w.waypoint = waypoint_for(self.ns, self.ns_labels, &ep.labels);
+                let mut wl = Wl {
+                    w,
+                    backing: Backing::Entry(ep),
+                    selectable: None,
+                    services: BTreeMap::new(),
+                };
+                add_entry_ports(&mut wl, se, &keys);
+                wls.push(wl);
+            }
+        }
+    }
+}
+
+fn add_entry_ports(wl: &mut Wl<'_>, se: &ServiceEntry, keys: &[String]) {
+    for p in &se.spec.ports {
+        let target = match wl.backing {
+            Backing::Entry(e) => e.ports.get(&p.name).copied(),
+            _ => None,
+        }
+        .or(p.target_port)
+        .unwrap_or(p.number);
+        for key in keys {
+            wl.add_port(
+                key,
+                Port {
+                    service_port: p.number.into(),
+                    target_port: target.into(),
+                },
+            );
+        }
+    }
+}
+
+/// Target port of a Service port on one selected workload.
+fn resolve_service_target(sp: &super::objects::ServicePort, backing: Backing<'_>) -> Option<u16> {
+    if let Backing::Entry(e) = backing
+        && let Some(p) = e.ports.get(&sp.name)
+    {
+        return Some(*p);
+    }
+    match &sp.target_port {
+        None => Some(sp.port),
+        Some(TargetPort::Number(n)) => Some(*n),
+        Some(TargetPort::Name(name)) => match backing {
+            Backing::Pod(p) => p.container_port(name),
+            Backing::Entry(e) => e.ports.get(name).copied(),
+            Backing::Plain => None,
+        },
+    }
+}
+
+fn ip_from_bytes(b: &[u8]) -> Option<IpAddr> {
+    match b.len() {
+        4 => <[u8; 4]>::try_from(b).ok().map(IpAddr::from),
+        16 => <[u8; 16]>::try_from(b).ok().map(IpAddr::from),
+        _ => None,
+    }
+}
+
+/// Encodes a finished workload. The `services` map is encoded in key order
+/// so equal workloads always encode to equal bytes (and equal versions).
+fn workload_resource(wl: Wl<'_>) -> XdsResource {
+    let mut w = wl.w;
+    let network = w.network.clone();
+    let aliases = w
+        .addresses
+        .iter()
+        .filter_map(|a| ip_from_bytes(a))
+        .map(|ip| format!("{network}/{ip}"))
+        .collect();
+    let name = w.uid.clone();
+    w.services.clear();
+    let mut inner = w.encode_to_vec();
+    let mut one = Workload::default();
+    for (key, ports) in wl.services {
+        one.services.clear();
+        one.services.insert(key, PortList { ports });
+        inner.extend_from_slice(&one.encode_to_vec());
+    }
+    let mut value = Vec::with_capacity(inner.len() + 8);
+    encode_key(1, WireType::LengthDelimited, &mut value);
+    encode_varint(inner.len() as u64, &mut value);
+    value.extend_from_slice(&inner);
+    encoded_resource(ADDRESS_TYPE_URL, name, aliases, value)
+}
+
+/// An [`XdsResource`] from already encoded bytes, versioned exactly as
+/// [`XdsResource::new`] does.
+pub(crate) fn encoded_resource(
+    type_url: &str,
+    name: String,
+    aliases: Vec<String>,
+    value: Vec<u8>,
+) -> XdsResource {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    value.hash(&mut h);
+    let mut r = XdsResource::new(type_url, name, aliases, &());
+    r.version = format!("{:016x}", h.finish());
+    r.body.value = value;
+    r
+}

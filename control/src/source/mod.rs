@@ -1,0 +1,26 @@
+//! Config sources: where the model's objects come from.
+//!
+//! The seam is small and the same for every source (the file source here,
+//! the Kubernetes watchers later):
+//!
+//! * a source decodes its input into [`Object`]s (documents with
+//!   [`crate::model::decode_yaml_document`], API objects with
+//!   [`crate::model::decode_value`]);
+//! * it sends [`SourceUpdate`]s through a [`ModelHandle`]: upserts and
+//!   deletes of objects, the current [`ConfigError`]s per scope (replacing
+//!   that scope's previous errors), and `initial_sync_done: true` once its
+//!   whole initial state has been sent;
+//! * a rejected document never deletes anything: the last good version of
+//!   an object keeps serving until a valid version or a real deletion
+//!   arrives.
+
+pub mod file;
+
+#[cfg(test)]
+mod tests;
+
+pub use crate::model::{Change, ConfigError, ModelHandle, Object, ObjectKey, SourceUpdate};
+pub use file::{FileSource, FileSourceError, parse_documents, spawn_file_source};
+
+/// The `source` name the file source puts in its updates.
+pub const FILE_SOURCE: &str = "file";

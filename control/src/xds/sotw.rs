@@ -1,0 +1,255 @@
+//! One state-of-the-world ADS stream (`StreamAggregatedResources`).
+//!
+//! Each response carries every subscribed resource of its type; one is sent
+//! when the subscription changes or when a subscribed resource changed.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use tokio::sync::{mpsc, watch};
+use tonic::{Status, Streaming};
+use tracing::{debug, info, warn};
+
+use super::delta::StreamEnd;
+use super::status::{NackRecord, ProxyInfo, type_label, unix_now};
+use super::{SUPPORTED_TYPES, Shared, resources};
+use crate::model::snapshot::{ResourceSet, Snapshot};
+
+#[derive(Debug)]
+struct Subscription {
+    type_url: &'static str,
+    /// Explicit names; empty (or `*`) means every resource.
+    names: HashSet<String>,
+    /// Primary name -> version of the last response sent.
+    sent: BTreeMap<String, String>,
+}
+
+impl Subscription {
+    fn wildcard(&self) -> bool {
+        self.names.is_empty() || self.names.contains("*")
+    }
+
+    /// The subscribed resources of `set`, by primary name.
+    fn wanted<'a>(&self, set: &'a ResourceSet) -> BTreeMap<&'a str, &'a str> {
+        if self.wildcard() {
+            set.by_name
+                .values()
+                .map(|r| (r.name.as_str(), r.version.as_str()))
+                .collect()
+        } else {
+            self.names
+                .iter()
+                .filter_map(|n| set.resolve(n))
+                .filter_map(|p| set.by_name.get(p))
+                .map(|r| (r.name.as_str(), r.version.as_str()))
+                .collect()
+        }
+    }
+
+    fn differs(&self, wanted: &BTreeMap<&str, &str>) -> bool {
+        wanted.len() != self.sent.len()
+            || wanted
+                .iter()
+                .any(|(n, v)| self.sent.get(*n).map(String::as_str) != Some(*v))
+    }
+}
+
+pub(super) struct SotwStream {
+    id: u64,
+    peer: String,
+    node_id: String,
+    shared: Arc<Shared>,
+    tx: mpsc::Sender<Result<DiscoveryResponse, Status>>,
+    subs: Vec<Subscription>,
+    nonce: u64,
+    snap: Arc<Snapshot>,
+}
+
+impl SotwStream {
+    pub(super) fn new(
+        id: u64,
+        peer: String,
+        shared: Arc<Shared>,
+        tx: mpsc::Sender<Result<DiscoveryResponse, Status>>,
+    ) -> Self {
+        Self {
+            id,
+            peer,
+            node_id: String::new(),
+            shared,
+            tx,
+            subs: Vec::new(),
+            nonce: 0,
+            snap: Arc::new(Snapshot::default()),
+        }
+    }
+
+    pub(super) async fn run(mut self, mut requests: Streaming<DiscoveryRequest>) {
+        let mut snapshots = self.shared.snapshots.clone();
+        let snap = match snapshots.wait_for(|s| s.synced).await {
+            Ok(s) => s.clone(),
+            Err(_) => return,
+        };
+        self.snap = snap;
+        let labels = vec![("protocol", "sotw")];
+        self.shared.metrics.connected.get_or_create(&labels).inc();
+        self.shared.registry.connect(ProxyInfo {
+            connection: self.id,
+            node_id: String::new(),
+            peer: self.peer.clone(),
+            protocol: "sotw",
+            connected_at_unix: unix_now(),
+            last_snapshot_seq: self.snap.seq,
+            types: Default::default(),
+        });
+        match self.serve(&mut requests, &mut snapshots).await {
+            Ok(()) => info!(proxy = %self.node_id, "xDS stream closed by the client"),
+            Err(e) => info!(proxy = %self.node_id, "xDS stream ended: {e}"),
+        }
+        self.shared.registry.disconnect(self.id);
+        self.shared.metrics.connected.get_or_create(&labels).dec();
+    }
+
+    async fn serve(
+        &mut self,
+        requests: &mut Streaming<DiscoveryRequest>,
+        snapshots: &mut watch::Receiver<Arc<Snapshot>>,
+    ) -> Result<(), StreamEnd> {
+        loop {
+            tokio::select! {
+                msg = requests.message() => match msg {
+                    Ok(Some(req)) => self.on_request(req).await?,
+                    Ok(None) => return Ok(()),
+                    Err(status) => return Err(StreamEnd::Client(status)),
+                },
+                changed = snapshots.changed() => {
+                    if changed.is_err() {
+                        return Err(StreamEnd::ModelStopped);
+                    }
+                    self.snap = snapshots.borrow_and_update().clone();
+                    for idx in 0..self.subs.len() {
+                        self.push_if_changed(idx, false).await?;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn on_request(&mut self, req: DiscoveryRequest) -> Result<(), StreamEnd> {
+        if self.node_id.is_empty() {
+            if let Some(node) = &req.node {
+                self.node_id = node.id.clone();
+                let node_id = self.node_id.clone();
+                self.shared
+                    .registry
+                    .update(self.id, |p| p.node_id = node_id);
+            }
+        }
+        let Some(type_url) = SUPPORTED_TYPES.iter().copied().find(|t| *t == req.type_url) else {
+            debug!(type_url = %req.type_url, "ignoring a request for a type this server does not serve");
+            return Ok(());
+        };
+        if !req.response_nonce.is_empty() {
+            if let Some(err) = &req.error_detail {
+                warn!(
+                    proxy = %self.node_id, type_url, nonce = %req.response_nonce, error = %err.message,
+                    "proxy rejected (NACKed) an xDS response and keeps its previous config; \
+                     fix the resource named in the error"
+                );
+                self.shared
+                    .metrics
+                    .rejects
+                    .get_or_create(&vec![("type", type_label(type_url))])
+                    .inc();
+                self.shared.registry.record_nack(NackRecord {
+                    at_unix: unix_now(),
+                    node_id: self.node_id.clone(),
+                    type_url: type_url.to_string(),
+                    nonce: req.response_nonce.clone(),
+                    message: err.message.clone(),
+                });
+            } else {
+                let nonce = req.response_nonce.clone();
+                self.shared.registry.update(self.id, |p| {
+                    let t = p.types.entry(type_url.to_string()).or_default();
+                    t.acks += 1;
+                    t.last_nonce_acked = nonce;
+                });
+            }
+        }
+        let names: HashSet<String> = req.resource_names.into_iter().collect();
+        let (idx, first) = match self.subs.iter().position(|s| s.type_url == type_url) {
+            Some(i) => (i, false),
+            None => {
+                self.subs.push(Subscription {
+                    type_url,
+                    names: HashSet::new(),
+                    sent: BTreeMap::new(),
+                });
+                (self.subs.len() - 1, true)
+            }
+        };
+        if first || self.subs[idx].names != names {
+            self.subs[idx].names = names;
+            self.push_if_changed(idx, first).await?;
+        }
+        Ok(())
+    }
+
+    /// Sends the full subscribed set of `subs[idx]` when it differs from the
+    /// last one sent, or always when `force`.
+    async fn push_if_changed(&mut self, idx: usize, force: bool) -> Result<(), StreamEnd> {
+        let sub = &self.subs[idx];
+        let Some(set) = resources(&self.snap, sub.type_url) else {
+            return Ok(());
+        };
+        let wanted = sub.wanted(set);
+        if !force && !sub.differs(&wanted) {
+            return Ok(());
+        }
+        let type_url = sub.type_url;
+        let mut bytes = 0usize;
+        let body: Vec<_> = wanted
+            .keys()
+            .filter_map(|n| set.by_name.get(*n))
+            .map(|r| {
+                bytes += r.body.value.len();
+                r.body.clone()
+            })
+            .collect();
+        let sent: BTreeMap<String, String> = wanted
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+        self.subs[idx].sent = sent;
+        self.nonce += 1;
+        let nonce = format!("{}-{}", self.id, self.nonce);
+        let labels = vec![("type", type_label(type_url))];
+        let m = &self.shared.metrics;
+        m.pushes.get_or_create(&labels).inc();
+        m.resources_sent
+            .get_or_create(&labels)
+            .inc_by(body.len() as u64);
+        m.push_bytes.get_or_create(&labels).inc_by(bytes as u64);
+        let (held, nonce_copy, seq) = (body.len(), nonce.clone(), self.snap.seq);
+        self.shared.registry.update(self.id, |p| {
+            let t = p.types.entry(type_url.to_string()).or_default();
+            t.pushes += 1;
+            t.resources_held = held;
+            t.last_nonce_sent = nonce_copy;
+            p.last_snapshot_seq = seq;
+        });
+        let resp = DiscoveryResponse {
+            version_info: self.snap.seq.to_string(),
+            resources: body,
+            type_url: type_url.to_string(),
+            nonce,
+            ..Default::default()
+        };
+        self.tx
+            .send(Ok(resp))
+            .await
+            .map_err(|_| StreamEnd::ClientGone)
+    }
+}

@@ -1,0 +1,160 @@
+//! What the xDS server knows about its clients, for `/debug` and metrics.
+//!
+//! Streams report events here; the debug server reads copies. The lock is
+//! held only to copy or update a few fields, never across an await.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use serde::Serialize;
+
+/// How many NACKs `/debug/nacks` remembers.
+const NACK_HISTORY: usize = 256;
+
+type Labels = Vec<(&'static str, &'static str)>;
+
+/// xDS server metrics, named after Istio's pilot metrics where one exists.
+#[derive(Debug, Default, Clone)]
+pub struct XdsMetrics {
+    /// Connected xDS streams by protocol (`delta`, `sotw`).
+    pub connected: Family<Labels, Gauge>,
+    /// Responses pushed, by resource type.
+    pub pushes: Family<Labels, Counter>,
+    /// Resources sent (added or changed), by resource type.
+    pub resources_sent: Family<Labels, Counter>,
+    /// Encoded resource bytes sent, by resource type.
+    pub push_bytes: Family<Labels, Counter>,
+    /// NACKs received, by resource type.
+    pub rejects: Family<Labels, Counter>,
+}
+
+impl XdsMetrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register("pilot_xds", "Connected xDS streams", m.connected.clone());
+        registry.register("pilot_xds_pushes", "xDS responses pushed", m.pushes.clone());
+        registry.register(
+            "pilot_xds_resources_sent",
+            "xDS resources sent (added or changed)",
+            m.resources_sent.clone(),
+        );
+        registry.register(
+            "pilot_xds_push_bytes",
+            "Encoded xDS resource bytes sent",
+            m.push_bytes.clone(),
+        );
+        registry.register(
+            "pilot_total_xds_rejects",
+            "xDS responses rejected (NACKed) by proxies",
+            m.rejects.clone(),
+        );
+        m
+    }
+}
+
+/// Short name of a supported type URL, used as a metric label.
+pub fn type_label(type_url: &str) -> &'static str {
+    match type_url {
+        ambit_proto::ADDRESS_TYPE_URL => "address",
+        ambit_proto::AUTHORIZATION_TYPE_URL => "authorization",
+        _ => "unknown",
+    }
+}
+
+/// Per resource type state of one connected proxy.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct TypeStatus {
+    pub wildcard: bool,
+    pub explicit_names: usize,
+    pub resources_held: usize,
+    pub last_nonce_sent: String,
+    pub last_nonce_acked: String,
+    pub acks: u64,
+    pub nacks: u64,
+    pub pushes: u64,
+}
+
+/// One connected proxy as `/debug/connections` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct ProxyInfo {
+    pub connection: u64,
+    pub node_id: String,
+    pub peer: String,
+    pub protocol: &'static str,
+    pub connected_at_unix: u64,
+    pub last_snapshot_seq: u64,
+    pub types: BTreeMap<String, TypeStatus>,
+}
+
+/// One NACK as `/debug/nacks` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct NackRecord {
+    pub at_unix: u64,
+    pub node_id: String,
+    pub type_url: String,
+    pub nonce: String,
+    pub message: String,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    proxies: BTreeMap<u64, ProxyInfo>,
+    nacks: VecDeque<NackRecord>,
+}
+
+/// Registry of connected proxies and recent NACKs.
+#[derive(Debug, Default)]
+pub struct ProxyRegistry {
+    inner: Mutex<Inner>,
+}
+
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+impl ProxyRegistry {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic elsewhere while holding this lock cannot leave the debug
+        // data inconsistent in a way that matters; keep serving it.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn connect(&self, info: ProxyInfo) {
+        self.lock().proxies.insert(info.connection, info);
+    }
+
+    pub fn disconnect(&self, connection: u64) {
+        self.lock().proxies.remove(&connection);
+    }
+
+    /// Applies `f` to the entry of `connection`, if it is still registered.
+    pub fn update(&self, connection: u64, f: impl FnOnce(&mut ProxyInfo)) {
+        if let Some(p) = self.lock().proxies.get_mut(&connection) {
+            f(p);
+        }
+    }
+
+    pub fn record_nack(&self, rec: NackRecord) {
+        let mut inner = self.lock();
+        if inner.nacks.len() >= NACK_HISTORY {
+            inner.nacks.pop_front();
+        }
+        inner.nacks.push_back(rec);
+    }
+
+    pub fn proxies(&self) -> Vec<ProxyInfo> {
+        self.lock().proxies.values().cloned().collect()
+    }
+
+    pub fn nacks(&self) -> Vec<NackRecord> {
+        self.lock().nacks.iter().cloned().collect()
+    }
+}

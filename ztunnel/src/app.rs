@@ -1,0 +1,217 @@
+//! Starting and stopping one ztunnel: bind every listener, spawn the xDS
+//! client and the servers, hand back a [`Ztunnel`] handle.
+//!
+//! Nothing here is global: each ztunnel has its own metrics registry,
+//! state and tasks, so tests and benchmarks can run many in one process.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tracing::{Instrument, info, info_span, warn};
+
+use crate::admin::{self, AdminContext, AdminError, Listener, LogControl};
+use crate::config::Config;
+use crate::drain::{self, DRAIN_DEADLINE, DrainTrigger};
+use crate::metrics::Metrics;
+use crate::state::{StateReader, StateSnapshot, new_state};
+use crate::xds::{XdsClient, XdsClientConfig, XdsError, XdsHandle};
+
+/// Errors of starting a ztunnel.
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    /// The xDS client could not be set up (bad address).
+    #[error(transparent)]
+    Xds(#[from] XdsError),
+    /// A listener could not be bound.
+    #[error(transparent)]
+    Admin(#[from] AdminError),
+}
+
+/// Optional extras for [`start_with`].
+#[derive(Debug, Clone, Default)]
+pub struct StartOptions {
+    /// Lets `/logging` read and change the log filter. The binary passes
+    /// its reload handle; embedded ztunnels usually pass none.
+    pub log_control: Option<LogControl>,
+}
+
+/// A running ztunnel.
+#[derive(Debug)]
+pub struct Ztunnel {
+    node_name: String,
+    admin_addr: SocketAddr,
+    stats_addr: SocketAddr,
+    readiness_addr: SocketAddr,
+    state: StateReader,
+    ready: watch::Receiver<bool>,
+    quit: watch::Receiver<bool>,
+    metrics: Arc<Metrics>,
+    xds: XdsHandle,
+    drain: DrainTrigger,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+/// Starts a ztunnel with default options; see [`start_with`].
+pub async fn start(config: Config) -> Result<Ztunnel, AppError> {
+    start_with(config, StartOptions::default()).await
+}
+
+/// Binds every listener (a bind error names the address and the flag),
+/// then starts the xDS client and the admin, stats and readiness servers.
+/// Returns once everything is listening; use [`Ztunnel::wait_ready`] to
+/// wait for the first xDS sync.
+pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel, AppError> {
+    let metrics = Arc::new(Metrics::new());
+    let (writer, reader) = new_state();
+    let (ready_tx, ready_rx) = watch::channel(false);
+    let (xds_client, xds) = XdsClient::new(
+        XdsClientConfig::from_config(&config),
+        writer,
+        metrics.clone(),
+        ready_tx,
+    )?;
+
+    let (admin_tcp, admin_addr) =
+        admin::bind("admin", config.admin_addr, "--admin-addr / ADMIN_ADDR").await?;
+    let (stats_tcp, stats_addr) =
+        admin::bind("stats", config.stats_addr, "--stats-addr / STATS_ADDR").await?;
+    let (ready_tcp, readiness_addr) = admin::bind(
+        "readiness",
+        config.readiness_addr,
+        "--readiness-addr / READINESS_ADDR",
+    )
+    .await?;
+
+    let (drain, watcher) = drain::channel();
+    let (quit_tx, quit_rx) = watch::channel(false);
+    let ctx = Arc::new(AdminContext {
+        state: reader.clone(),
+        metrics: metrics.clone(),
+        ready: ready_rx.clone(),
+        log: options.log_control,
+        quit: quit_tx,
+    });
+
+    let span = info_span!("ztunnel", node = %config.node_name);
+    let tasks = vec![
+        tokio::spawn(xds_client.run(watcher.clone()).instrument(span.clone())),
+        tokio::spawn(
+            admin::serve(admin_tcp, Listener::Admin, ctx.clone(), watcher.clone())
+                .instrument(span.clone()),
+        ),
+        tokio::spawn(
+            admin::serve(stats_tcp, Listener::Stats, ctx.clone(), watcher.clone())
+                .instrument(span.clone()),
+        ),
+        tokio::spawn(
+            admin::serve(ready_tcp, Listener::Readiness, ctx, watcher).instrument(span.clone()),
+        ),
+    ];
+    span.in_scope(|| {
+        info!(
+            xds = %config.xds_address,
+            admin = %admin_addr,
+            stats = %stats_addr,
+            readiness = %readiness_addr,
+            "ztunnel started"
+        )
+    });
+
+    Ok(Ztunnel {
+        node_name: config.node_name,
+        admin_addr,
+        stats_addr,
+        readiness_addr,
+        state: reader,
+        ready: ready_rx,
+        quit: quit_rx,
+        metrics,
+        xds,
+        drain,
+        tasks,
+    })
+}
+
+impl Ztunnel {
+    /// Bound address of the admin server.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    /// Bound address of the stats server.
+    pub fn stats_addr(&self) -> SocketAddr {
+        self.stats_addr
+    }
+
+    /// Bound address of the readiness server.
+    pub fn readiness_addr(&self) -> SocketAddr {
+        self.readiness_addr
+    }
+
+    /// The node this ztunnel serves.
+    pub fn node_name(&self) -> &str {
+        &self.node_name
+    }
+
+    /// The current state snapshot.
+    pub fn state(&self) -> Arc<StateSnapshot> {
+        self.state.load()
+    }
+
+    /// A reader of the state, to watch its generation or wait for a
+    /// condition ([`StateReader::wait_for`]).
+    pub fn state_reader(&self) -> StateReader {
+        self.state.clone()
+    }
+
+    /// True once the first response of every xDS type has been applied.
+    pub fn is_ready(&self) -> bool {
+        *self.ready.borrow()
+    }
+
+    /// Waits for [`Self::is_ready`]. Never returns if the control plane is
+    /// never reached: wrap it in a timeout.
+    pub async fn wait_ready(&self) {
+        let mut rx = self.ready.clone();
+        if rx.wait_for(|ready| *ready).await.is_err() {
+            // The xDS task is gone without becoming ready (shut down).
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// This ztunnel's metrics.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// Handle for on-demand xDS requests.
+    pub fn xds(&self) -> &XdsHandle {
+        &self.xds
+    }
+
+    /// Resolves when `POST /quitquitquit` was received.
+    pub async fn quit_requested(&self) {
+        let mut rx = self.quit.clone();
+        if rx.wait_for(|quit| *quit).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// Stops the xDS client and every listener; live admin connections get
+    /// [`DRAIN_DEADLINE`] to finish. Tasks still running after that are
+    /// aborted.
+    pub async fn shutdown(self) {
+        self.drain.start();
+        let deadline = tokio::time::Instant::now() + DRAIN_DEADLINE + Duration::from_secs(1);
+        for mut task in self.tasks {
+            if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
+                warn!(node = %self.node_name, "task did not stop in time; aborting it");
+                task.abort();
+            }
+        }
+        info!(node = %self.node_name, "ztunnel stopped");
+    }
+}

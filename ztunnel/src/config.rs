@@ -1,0 +1,183 @@
+//! ztunnel configuration: one documented struct, parsed from flags and
+//! upper-case environment variables by clap, or built in code by tests.
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::path::PathBuf;
+
+use clap::Parser;
+
+/// Plaintext xDS endpoint of a local control plane (SPEC §2, port 15010).
+pub const DEFAULT_XDS_ADDRESS: &str = "http://127.0.0.1:15010";
+/// Admin listener: `/config_dump`, `/logging`, `/quitquitquit` (SPEC §2).
+pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:15000";
+/// Prometheus `/metrics` listener (SPEC §2).
+pub const DEFAULT_STATS_ADDR: &str = "0.0.0.0:15020";
+/// `/healthz/ready` listener (SPEC §2).
+pub const DEFAULT_READINESS_ADDR: &str = "0.0.0.0:15021";
+/// Cluster id reported to the control plane when none is configured.
+pub const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
+
+/// Everything a ztunnel needs to start. Each flag can also be set through the
+/// upper-case environment variable named after it (`--xds-address` ↔
+/// `XDS_ADDRESS`); a flag wins over the environment.
+#[derive(Debug, Clone, PartialEq, Eq, Parser)]
+#[command(name = "ztunnel", version, about = "Ambit node proxy (ztunnel)")]
+pub struct Config {
+    /// URL of the control plane's xDS endpoint (plaintext h2c for now).
+    #[arg(long, env = "XDS_ADDRESS", default_value = DEFAULT_XDS_ADDRESS)]
+    pub xds_address: String,
+
+    /// URL of the certificate authority; defaults to the xDS address.
+    /// Not used until the identity manager lands.
+    #[arg(long, env = "CA_ADDRESS")]
+    pub ca_address: Option<String>,
+
+    /// Name of the Kubernetes node (or local-mode node) this ztunnel serves.
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+
+    /// File holding the bearer token sent to the control plane as
+    /// `authorization: Bearer <token>`. Re-read on every reconnect, so a
+    /// rotated token is picked up without a restart.
+    #[arg(long, env = "TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+
+    /// PEM file with the root certificate that signs the control plane's
+    /// serving certificate. Not used until TLS to the control plane lands.
+    #[arg(long, env = "ROOT_CERT")]
+    pub root_cert: Option<PathBuf>,
+
+    /// Admin listener (`/config_dump`, `/logging`, `/quitquitquit`). Keep it
+    /// on loopback: it can change log levels and stop the proxy.
+    #[arg(long, env = "ADMIN_ADDR", default_value = DEFAULT_ADMIN_ADDR)]
+    pub admin_addr: SocketAddr,
+
+    /// Prometheus listener (`/metrics`).
+    #[arg(long, env = "STATS_ADDR", default_value = DEFAULT_STATS_ADDR)]
+    pub stats_addr: SocketAddr,
+
+    /// Readiness listener (`/healthz/ready`).
+    #[arg(long, env = "READINESS_ADDR", default_value = DEFAULT_READINESS_ADDR)]
+    pub readiness_addr: SocketAddr,
+
+    /// Cluster id reported in the xDS node metadata (`CLUSTER_ID`).
+    #[arg(long, env = "CLUSTER_ID", default_value = DEFAULT_CLUSTER_ID)]
+    pub cluster_id: String,
+
+    /// Network this node belongs to; the empty string is the default network.
+    #[arg(long, env = "NETWORK", default_value = "")]
+    pub network: String,
+}
+
+impl Config {
+    /// A configuration with every default of the command line, for a node
+    /// named `node_name` talking to the control plane at `xds_address`.
+    pub fn new(node_name: impl Into<String>, xds_address: impl Into<String>) -> Self {
+        Self {
+            xds_address: xds_address.into(),
+            ca_address: None,
+            node_name: node_name.into(),
+            token_file: None,
+            root_cert: None,
+            admin_addr: parse_default(DEFAULT_ADMIN_ADDR, 15000),
+            stats_addr: parse_default(DEFAULT_STATS_ADDR, 15020),
+            readiness_addr: parse_default(DEFAULT_READINESS_ADDR, 15021),
+            cluster_id: DEFAULT_CLUSTER_ID.to_string(),
+            network: String::new(),
+        }
+    }
+
+    /// Moves every listener to `127.0.0.1:0`, so the OS picks free ports.
+    /// Tests and benchmarks that run many ztunnels in one process use this
+    /// and read the bound addresses back from [`crate::Ztunnel`].
+    pub fn with_ephemeral_ports(mut self) -> Self {
+        let any = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0));
+        self.admin_addr = any;
+        self.stats_addr = any;
+        self.readiness_addr = any;
+        self
+    }
+
+    /// The CA address in effect: `--ca-address`, else the xDS address.
+    pub fn effective_ca_address(&self) -> &str {
+        self.ca_address.as_deref().unwrap_or(&self.xds_address)
+    }
+}
+
+/// Parses one of the default address constants above; they are literals,
+/// so the fallback only guards against a typo in this file.
+fn parse_default(addr: &str, port: u16) -> SocketAddr {
+    addr.parse()
+        .unwrap_or(SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port)))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_match_the_command_line() {
+        let parsed =
+            Config::try_parse_from(["ztunnel", "--node-name", "n1"]).map_err(|e| e.to_string());
+        // Environment variables may be set by whoever runs the tests; only
+        // compare when they are not.
+        if std::env::vars().any(|(k, _)| {
+            [
+                "XDS_ADDRESS",
+                "ADMIN_ADDR",
+                "STATS_ADDR",
+                "READINESS_ADDR",
+                "CLUSTER_ID",
+                "NETWORK",
+                "CA_ADDRESS",
+                "TOKEN_FILE",
+                "ROOT_CERT",
+            ]
+            .contains(&k.as_str())
+        }) {
+            return;
+        }
+        assert_eq!(parsed, Ok(Config::new("n1", DEFAULT_XDS_ADDRESS)));
+    }
+
+    #[test]
+    fn flags_override_defaults() {
+        let c = Config::try_parse_from([
+            "ztunnel",
+            "--node-name",
+            "n2",
+            "--xds-address",
+            "http://10.0.0.1:15010",
+            "--admin-addr",
+            "127.0.0.1:1",
+            "--token-file",
+            "/tmp/t",
+            "--network",
+            "net-a",
+        ])
+        .expect("flags parse");
+        assert_eq!(c.xds_address, "http://10.0.0.1:15010");
+        assert_eq!(c.admin_addr, "127.0.0.1:1".parse().unwrap());
+        assert_eq!(c.token_file, Some(PathBuf::from("/tmp/t")));
+        assert_eq!(c.network, "net-a");
+        assert_eq!(c.effective_ca_address(), "http://10.0.0.1:15010");
+    }
+
+    #[test]
+    fn node_name_is_required() {
+        if std::env::var_os("NODE_NAME").is_some() {
+            return;
+        }
+        assert!(Config::try_parse_from(["ztunnel"]).is_err());
+    }
+
+    #[test]
+    fn ephemeral_ports_use_port_zero() {
+        let c = Config::new("n", DEFAULT_XDS_ADDRESS).with_ephemeral_ports();
+        for a in [c.admin_addr, c.stats_addr, c.readiness_addr] {
+            assert_eq!(a.port(), 0);
+            assert!(a.ip().is_loopback());
+        }
+    }
+}
