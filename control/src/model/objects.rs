@@ -301,6 +301,7 @@ pub struct PodStatus {
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct PodIp {
+    #[serde(deserialize_with = "ip")]
     pub ip: IpAddr,
 }
 
@@ -498,16 +499,72 @@ fn optional_port_number<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u16>, 
     Ok(Option::<W>::deserialize(d)?.map(|w| w.0))
 }
 
+/// A visitor that parses a string (or a plain scalar number) with `parse`,
+/// so errors are raised inside the deserializer and carry the field path.
+struct ParseStr<F>(F, &'static str);
+
+impl<T, F: FnOnce(&str) -> Result<T, String>> Visitor<'_> for ParseStr<F> {
+    type Value = T;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.1)
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<T, E> {
+        (self.0)(v).map_err(E::custom)
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<T, E> {
+        (self.0)(&v.to_string()).map_err(E::custom)
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<T, E> {
+        (self.0)(&v.to_string()).map_err(E::custom)
+    }
+}
+
+/// Deserializes a string field with `parse`.
+fn parse_str<'de, D, T>(
+    d: D,
+    expecting: &'static str,
+    parse: impl FnOnce(&str) -> Result<T, String>,
+) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+{
+    d.deserialize_str(ParseStr(parse, expecting))
+}
+
+fn parse_ip(s: &str) -> Result<Option<IpAddr>, String> {
+    if s.is_empty() {
+        return Ok(None);
+    }
+    s.parse()
+        .map(Some)
+        .map_err(|_| format!("{s:?} is not a valid IP address"))
+}
+
 /// Deserializes an IP address; empty string and null mean absent.
 fn optional_ip<'de, D: Deserializer<'de>>(d: D) -> Result<Option<IpAddr>, D::Error> {
-    match Option::<String>::deserialize(d)? {
-        None => Ok(None),
-        Some(s) if s.is_empty() => Ok(None),
-        Some(s) => s
-            .parse()
-            .map(Some)
-            .map_err(|_| de::Error::custom(format!("{s:?} is not a valid IP address"))),
+    struct V;
+    impl<'de> Visitor<'de> for V {
+        type Value = Option<IpAddr>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("an IP address")
+        }
+        fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            parse_str(d, "an IP address", parse_ip)
+        }
     }
+    d.deserialize_option(V)
+}
+
+fn ip<'de, D: Deserializer<'de>>(d: D) -> Result<IpAddr, D::Error> {
+    parse_str(d, "an IP address", |s| {
+        parse_ip(s)?.ok_or_else(|| "the IP address is empty".to_string())
+    })
 }
 
 // ------------------------------------------------------ discovery.k8s.io/v1
@@ -892,13 +949,13 @@ pub struct PolicyPort(pub u16);
 
 impl<'de> Deserialize<'de> for PolicyPort {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.trim()
-            .parse::<i64>()
-            .map_err(|_| format!("{s:?} is not a port number"))
-            .and_then(check_port)
-            .map(PolicyPort)
-            .map_err(de::Error::custom)
+        parse_str(d, "a port number", |s| {
+            s.trim()
+                .parse::<i64>()
+                .map_err(|_| format!("{s:?} is not a port number"))
+                .and_then(check_port)
+                .map(PolicyPort)
+        })
     }
 }
 
@@ -947,7 +1004,6 @@ impl fmt::Display for Cidr {
 
 impl<'de> Deserialize<'de> for Cidr {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(de::Error::custom)
+        parse_str(d, "an IP address or CIDR", str::parse)
     }
 }
