@@ -382,7 +382,9 @@ fn validate(obj: &mut Object) -> Result<(), String> {
             }
             let mut vips = Vec::new();
             for a in &se.spec.addresses {
-                let c: Cidr = a.parse().map_err(|e| format!("spec.addresses: {e}"))?;
+                let c: Cidr = a
+                    .parse()
+                    .map_err(|e| format!("spec.addresses: {e}; list virtual IPs or CIDRs"))?;
                 if c.is_host() {
                     vips.push(c.addr);
                 } else {
@@ -428,13 +430,16 @@ fn validate_policy(ap: &AuthorizationPolicy) -> Result<(), String> {
                 }
                 "source.ip" | "destination.ip" => {
                     for v in values {
-                        v.parse::<Cidr>().map_err(|e| format!("{at}: {e}"))?;
+                        v.parse::<Cidr>()
+                            .map_err(|e| format!("{at}: {e}; use IPs or CIDRs as values"))?;
                     }
                 }
                 "destination.port" => {
                     for v in values {
                         if v.trim().parse::<u16>().ok().filter(|p| *p != 0).is_none() {
-                            return Err(format!("{at}: {v:?} is not a port number (1-65535)"));
+                            return Err(format!(
+                                "{at}: {v:?} is not a port number; use numbers 1-65535 as values"
+                            ));
                         }
                     }
                 }

@@ -20,11 +20,15 @@ use tracing::{debug, error, info};
 
 mod authz;
 pub mod decode;
+mod encode;
+mod istio;
 pub mod objects;
 pub mod snapshot;
 pub mod store;
 pub mod translate;
 
+#[cfg(test)]
+mod authz_tests;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]

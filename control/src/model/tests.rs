@@ -291,7 +291,7 @@ fn store_apply_reports_changes() {
         "deleting twice is no change"
     );
     assert!(store.is_empty());
-    assert!(store.set_errors("f".into(), vec![]) == false);
+    assert!(!store.set_errors("f".into(), vec![]));
 }
 
 fn pod_obj(name: &str, ip: &str) -> Object {

@@ -6,27 +6,23 @@
 //! per-namespace label index, so the cost is linear in the number of
 //! objects and memberships.
 
-use std::collections::{BTreeMap, HashMap};
-use std::hash::{Hash, Hasher};
+use std::collections::HashMap;
 use std::net::IpAddr;
 
 use ambit_proto::ADDRESS_TYPE_URL;
 use ambit_proto::workload::{
-    Address, GatewayAddress, NamespacedHostname, NetworkAddress, Port, PortList,
-    Service as XdsService, TunnelProtocol, Workload, WorkloadStatus, WorkloadType, address,
-    gateway_address,
+    Address, GatewayAddress, NamespacedHostname, NetworkAddress, Port, Service as XdsService,
+    TunnelProtocol, Workload, WorkloadStatus, WorkloadType, address, gateway_address,
 };
-use prost::Message;
-use prost::encoding::{WireType, encode_key, encode_varint};
 
 use super::ModelOptions;
-use super::authz;
 use super::objects::{
     EndpointSlice, LABEL_DATAPLANE_MODE, LABEL_USE_WAYPOINT, LABEL_USE_WAYPOINT_NAMESPACE, Labels,
     Location, Pod, Service, ServiceEntry, TargetPort, WorkloadEntry, WorkloadEntrySpec,
 };
 use super::snapshot::XdsResource;
 use super::store::{NamespaceObjects, Store};
+use super::{authz, encode};
 
 /// DNS domain of the cluster (service hostnames `name.ns.svc.<suffix>`).
 pub const DOMAIN_SUFFIX: &str = "cluster.local";
@@ -58,18 +54,19 @@ pub(crate) struct Wl<'a> {
     pub backing: Backing<'a>,
     /// Labels selectors see (pods and WorkloadEntries only).
     pub selectable: Option<LabelView<'a>>,
-    /// "namespace/hostname" -> ports.
-    pub services: BTreeMap<String, Vec<Port>>,
+    /// Memberships: (index into the translation's service key table
+    /// (`namespace/hostname`), port).
+    pub services: Vec<(u32, Port)>,
 }
 
 impl Wl<'_> {
-    fn add_port(&mut self, key: &str, port: Port) {
-        let ports = match self.services.get_mut(key) {
-            Some(p) => p,
-            None => self.services.entry(key.to_string()).or_default(),
-        };
-        if !ports.iter().any(|p| p.service_port == port.service_port) {
-            ports.push(port);
+    fn add_port(&mut self, key: u32, port: Port) {
+        let dup = self
+            .services
+            .iter()
+            .any(|(k, p)| *k == key && p.service_port == port.service_port);
+        if !dup {
+            self.services.push((key, port));
         }
     }
 }
@@ -149,6 +146,7 @@ pub fn translate(store: &Store, opts: &ModelOptions) -> Translated {
     let mut wls: Vec<Wl> = Vec::new();
     let mut out = Translated::default();
     let mut root_policies = Vec::new();
+    let mut keys: Vec<String> = Vec::new();
     for (ns, objs) in store.spaces() {
         let ns_labels = store.namespace_labels(ns);
         let cx = NsCx {
@@ -158,8 +156,8 @@ pub fn translate(store: &Store, opts: &ModelOptions) -> Translated {
             opts,
         };
         let index = cx.workloads(&mut wls);
-        cx.services(&index, &mut wls, &mut out.addresses);
-        cx.service_entries(&index, &mut wls, &mut out.addresses);
+        cx.services(&index, &mut wls, &mut keys, &mut out.addresses);
+        cx.service_entries(&index, &mut wls, &mut keys, &mut out.addresses);
         authz::translate_namespace(
             ns,
             objs,
@@ -172,7 +170,7 @@ pub fn translate(store: &Store, opts: &ModelOptions) -> Translated {
     authz::apply_root_policies(&root_policies, &mut wls);
     out.addresses.reserve(wls.len());
     for wl in wls {
-        out.addresses.push(workload_resource(wl));
+        out.addresses.push(encode::workload_resource(wl, &keys));
     }
     out
 }
@@ -356,7 +354,7 @@ impl<'a> NsCx<'a> {
                 w,
                 backing: Backing::Pod(pod),
                 selectable: Some(view),
-                services: BTreeMap::new(),
+                services: Vec::new(),
             });
         }
         for we in self.objs.workload_entries.values() {
@@ -412,7 +410,7 @@ impl<'a> NsCx<'a> {
             w,
             backing: Backing::Entry(spec),
             selectable: None,
-            services: BTreeMap::new(),
+            services: Vec::new(),
         })
     }
 
@@ -429,7 +427,13 @@ impl<'a> NsCx<'a> {
     }
 
     /// Kubernetes Services and their endpoint memberships.
-    fn services(&self, index: &LabelIndex<'a>, wls: &mut Vec<Wl<'a>>, out: &mut Vec<XdsResource>) {
+    fn services(
+        &self,
+        index: &LabelIndex<'a>,
+        wls: &mut Vec<Wl<'a>>,
+        keys: &mut Vec<String>,
+        out: &mut Vec<XdsResource>,
+    ) {
         let objs = self.objs;
         let mut slices: HashMap<&str, Vec<&'a EndpointSlice>> = HashMap::new();
         for s in objs.endpoint_slices.values() {
@@ -455,12 +459,12 @@ impl<'a> NsCx<'a> {
         let mut slice_workloads: HashMap<String, usize> = HashMap::new();
         for (name, svc) in &objs.services {
             let hostname = format!("{name}.{}.svc.{DOMAIN_SUFFIX}", self.ns);
-            let key = format!("{}/{}", self.ns, hostname);
+            let key = push_key(keys, format!("{}/{}", self.ns, hostname));
             if let Some(list) = slices.get(name.as_str()) {
                 for slice in list {
                     self.slice_members(
                         svc,
-                        &key,
+                        key,
                         slice,
                         &by_name,
                         &by_ip,
@@ -474,7 +478,7 @@ impl<'a> NsCx<'a> {
                     for sp in &svc.spec.ports {
                         if let Some(t) = resolve_service_target(sp, wl.backing) {
                             wl.add_port(
-                                &key,
+                                key,
                                 Port {
                                     service_port: sp.port.into(),
                                     target_port: t.into(),
@@ -524,7 +528,7 @@ impl<'a> NsCx<'a> {
     fn slice_members(
         &self,
         svc: &'a Service,
-        key: &str,
+        key: u32,
         slice: &'a EndpointSlice,
         by_name: &HashMap<&str, usize>,
         by_ip: &HashMap<IpAddr, usize>,
@@ -565,7 +569,7 @@ impl<'a> NsCx<'a> {
                             w,
                             backing: Backing::Plain,
                             selectable: None,
-                            services: BTreeMap::new(),
+                            services: Vec::new(),
                         });
                         wls.len() - 1
                     });
@@ -604,14 +608,15 @@ impl<'a> NsCx<'a> {
         &self,
         index: &LabelIndex<'a>,
         wls: &mut Vec<Wl<'a>>,
+        keys: &mut Vec<String>,
         out: &mut Vec<XdsResource>,
     ) {
         for (name, se) in &self.objs.service_entries {
             let spec = &se.spec;
-            let keys: Vec<String> = spec
+            let se_keys: Vec<u32> = spec
                 .hosts
                 .iter()
-                .map(|h| format!("{}/{}", self.ns, h))
+                .map(|h| push_key(keys, format!("{}/{}", self.ns, h)))
                 .collect();
             let waypoint = waypoint_for(self.ns, self.ns_labels, &se.metadata.labels);
             for host in &spec.hosts {
@@ -637,7 +642,7 @@ impl<'a> NsCx<'a> {
             }
             if let Some(sel) = &spec.workload_selector {
                 for idx in index.select(&sel.labels) {
-                    add_entry_ports(&mut wls[idx], se, &keys);
+                    add_entry_ports(&mut wls[idx], se, &se_keys);
                 }
             }
             for ep in &spec.endpoints {
@@ -668,16 +673,16 @@ impl<'a> NsCx<'a> {
                     w,
                     backing: Backing::Entry(ep),
                     selectable: None,
-                    services: BTreeMap::new(),
+                    services: Vec::new(),
                 };
-                add_entry_ports(&mut wl, se, &keys);
+                add_entry_ports(&mut wl, se, &se_keys);
                 wls.push(wl);
             }
         }
     }
 }
 
-fn add_entry_ports(wl: &mut Wl<'_>, se: &ServiceEntry, keys: &[String]) {
+fn add_entry_ports(wl: &mut Wl<'_>, se: &ServiceEntry, keys: &[u32]) {
     for p in &se.spec.ports {
         let target = match wl.backing {
             Backing::Entry(e) => e.ports.get(&p.name).copied(),
@@ -685,7 +690,7 @@ fn add_entry_ports(wl: &mut Wl<'_>, se: &ServiceEntry, keys: &[String]) {
         }
         .or(p.target_port)
         .unwrap_or(p.number);
-        for key in keys {
+        for &key in keys {
             wl.add_port(
                 key,
                 Port {
@@ -715,7 +720,7 @@ fn resolve_service_target(sp: &super::objects::ServicePort, backing: Backing<'_>
     }
 }
 
-fn ip_from_bytes(b: &[u8]) -> Option<IpAddr> {
+pub(crate) fn ip_from_bytes(b: &[u8]) -> Option<IpAddr> {
     match b.len() {
         4 => <[u8; 4]>::try_from(b).ok().map(IpAddr::from),
         16 => <[u8; 16]>::try_from(b).ok().map(IpAddr::from),
@@ -723,45 +728,7 @@ fn ip_from_bytes(b: &[u8]) -> Option<IpAddr> {
     }
 }
 
-/// Encodes a finished workload. The `services` map is encoded in key order
-/// so equal workloads always encode to equal bytes (and equal versions).
-fn workload_resource(wl: Wl<'_>) -> XdsResource {
-    let mut w = wl.w;
-    let network = w.network.clone();
-    let aliases = w
-        .addresses
-        .iter()
-        .filter_map(|a| ip_from_bytes(a))
-        .map(|ip| format!("{network}/{ip}"))
-        .collect();
-    let name = w.uid.clone();
-    w.services.clear();
-    let mut inner = w.encode_to_vec();
-    let mut one = Workload::default();
-    for (key, ports) in wl.services {
-        one.services.clear();
-        one.services.insert(key, PortList { ports });
-        inner.extend_from_slice(&one.encode_to_vec());
-    }
-    let mut value = Vec::with_capacity(inner.len() + 8);
-    encode_key(1, WireType::LengthDelimited, &mut value);
-    encode_varint(inner.len() as u64, &mut value);
-    value.extend_from_slice(&inner);
-    encoded_resource(ADDRESS_TYPE_URL, name, aliases, value)
-}
-
-/// An [`XdsResource`] from already encoded bytes, versioned exactly as
-/// [`XdsResource::new`] does.
-pub(crate) fn encoded_resource(
-    type_url: &str,
-    name: String,
-    aliases: Vec<String>,
-    value: Vec<u8>,
-) -> XdsResource {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    value.hash(&mut h);
-    let mut r = XdsResource::new(type_url, name, aliases, &());
-    r.version = format!("{:016x}", h.finish());
-    r.body.value = value;
-    r
+fn push_key(keys: &mut Vec<String>, key: String) -> u32 {
+    keys.push(key);
+    (keys.len() - 1) as u32
 }

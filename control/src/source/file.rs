@@ -44,6 +44,8 @@ use super::FILE_SOURCE;
 const DEBOUNCE: Duration = Duration::from_millis(30);
 /// A burst is processed at the latest this long after its first event.
 const DEBOUNCE_MAX: Duration = Duration::from_millis(500);
+/// Content hash recorded for a file that could not be read.
+const UNREAD: u64 = 0;
 /// Deepest directory nesting followed (guards against symlink loops).
 const MAX_DEPTH: usize = 16;
 
@@ -380,6 +382,15 @@ impl State {
                     );
                     warn!("{err}");
                     errors.push((shown, vec![err]));
+                    // Force a re-parse once it is readable again, even if
+                    // the content is unchanged, so this error is cleared.
+                    self.files
+                        .entry(path)
+                        .or_insert_with(|| FileState {
+                            hash: UNREAD,
+                            served: BTreeMap::new(),
+                        })
+                        .hash = UNREAD;
                     continue;
                 }
             };
@@ -651,6 +662,11 @@ pub(crate) fn parse_file(path: &Path, text: &str) -> ParsedFile {
     for doc in split_documents(text) {
         let err = |f: Box<DecodeFailure>| {
             let f = *f;
+            let keeps = if f.key.is_some() {
+                "the last accepted version of this object, if any, keeps serving"
+            } else {
+                "every object this file defined before keeps serving"
+            };
             ConfigError {
                 file: file.clone(),
                 document: doc.index,
@@ -658,7 +674,7 @@ pub(crate) fn parse_file(path: &Path, text: &str) -> ParsedFile {
                 kind: f.kind,
                 namespace: f.namespace,
                 name: f.name,
-                reason: f.error.to_string(),
+                reason: format!("{} ({keeps})", f.error),
             }
         };
         match decode_yaml_document(&doc.text, doc.offset) {

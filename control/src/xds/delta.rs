@@ -16,7 +16,7 @@ use tonic::{Status, Streaming};
 use tracing::{debug, info, warn};
 
 use super::status::{NackRecord, ProxyInfo, type_label, unix_now};
-use super::{SUPPORTED_TYPES, Shared, delta, resources};
+use super::{FULL_SYNC_SLOT_TIMEOUT, LARGE_RESPONSE, SUPPORTED_TYPES, Shared, delta, resources};
 use crate::model::snapshot::{ResourceSet, Snapshot, XdsResource};
 
 /// Why a stream ended.
@@ -163,6 +163,15 @@ pub(super) struct DeltaStream {
     subs: Vec<Subscription>,
     nonce: u64,
     snap: Arc<Snapshot>,
+    /// A full-sync slot, held from sending a large response until its ACK.
+    sync_slot: Option<SyncSlot>,
+}
+
+/// A held full-sync slot.
+struct SyncSlot {
+    nonce: String,
+    deadline: tokio::time::Instant,
+    _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
 impl DeltaStream {
@@ -181,6 +190,7 @@ impl DeltaStream {
             subs: Vec::new(),
             nonce: 0,
             snap: Arc::new(Snapshot::default()),
+            sync_slot: None,
         }
     }
 
@@ -219,6 +229,7 @@ impl DeltaStream {
         snapshots: &mut tokio::sync::watch::Receiver<Arc<Snapshot>>,
     ) -> Result<(), StreamEnd> {
         loop {
+            let slot_deadline = self.sync_slot.as_ref().map(|s| s.deadline);
             tokio::select! {
                 msg = requests.message() => match msg {
                     Ok(Some(req)) => self.on_request(req).await?,
@@ -231,6 +242,10 @@ impl DeltaStream {
                     }
                     let snap = snapshots.borrow_and_update().clone();
                     self.on_snapshot(snap).await?;
+                }
+                _ = sleep_until_some(slot_deadline) => {
+                    debug!(proxy = %self.node_id, "full sync not ACKed in time; releasing its slot");
+                    self.sync_slot = None;
                 }
             }
         }
@@ -251,6 +266,13 @@ impl DeltaStream {
             return Ok(());
         };
         if !req.response_nonce.is_empty() {
+            if self
+                .sync_slot
+                .as_ref()
+                .is_some_and(|s| s.nonce == req.response_nonce)
+            {
+                self.sync_slot = None;
+            }
             match &req.error_detail {
                 Some(err) => self.on_nack(type_url, &req.response_nonce, &err.message),
                 None => {
@@ -369,6 +391,22 @@ impl DeltaStream {
     async fn send(&mut self, idx: usize, changes: Changes) -> Result<(), StreamEnd> {
         self.nonce += 1;
         let nonce = format!("{}-{}", self.id, self.nonce);
+        if changes.resources.len() >= LARGE_RESPONSE {
+            // Wait for a full-sync slot; our own previous one is released first.
+            self.sync_slot = None;
+            let permit = self
+                .shared
+                .full_syncs
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|_| StreamEnd::ModelStopped)?;
+            self.sync_slot = Some(SyncSlot {
+                nonce: nonce.clone(),
+                deadline: tokio::time::Instant::now() + FULL_SYNC_SLOT_TIMEOUT,
+                _permit: permit,
+            });
+        }
         let sub = &self.subs[idx];
         let type_url = sub.type_url;
         let labels = vec![("type", type_label(type_url))];
@@ -411,5 +449,13 @@ impl DeltaStream {
             .send(Ok(resp))
             .await
             .map_err(|_| StreamEnd::ClientGone)
+    }
+}
+
+/// Sleeps until `deadline`, or forever when there is none.
+async fn sleep_until_some(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
     }
 }

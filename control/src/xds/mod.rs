@@ -31,6 +31,17 @@ pub use status::{ProxyRegistry, XdsMetrics};
 /// Responses a stream may have queued before it waits for the client.
 const RESPONSE_QUEUE: usize = 4;
 
+/// Responses with at least this many resources count as a full sync.
+const LARGE_RESPONSE: usize = 1000;
+
+/// Full syncs in flight at once (sent and not yet ACKed). Bounds the memory
+/// a crowd of reconnecting proxies can pin and lets the first of them get
+/// ready sooner; small pushes never wait.
+const CONCURRENT_FULL_SYNCS: usize = 8;
+
+/// A full sync holds its slot until ACKed, or at most this long.
+const FULL_SYNC_SLOT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The xDS types this server serves.
 pub const SUPPORTED_TYPES: [&str; 2] = [
     ambit_proto::ADDRESS_TYPE_URL,
@@ -44,6 +55,7 @@ struct Shared {
     registry: Arc<ProxyRegistry>,
     metrics: XdsMetrics,
     next_connection: AtomicU64,
+    full_syncs: Arc<tokio::sync::Semaphore>,
 }
 
 /// The aggregated discovery service. Cheap to clone.
@@ -64,6 +76,7 @@ impl XdsServer {
                 registry,
                 metrics,
                 next_connection: AtomicU64::new(1),
+                full_syncs: Arc::new(tokio::sync::Semaphore::new(CONCURRENT_FULL_SYNCS)),
             }),
         }
     }

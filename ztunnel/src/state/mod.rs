@@ -13,6 +13,8 @@ mod index;
 mod types;
 
 #[cfg(test)]
+mod perf_tmp;
+#[cfg(test)]
 mod tests;
 
 use std::collections::HashMap;
