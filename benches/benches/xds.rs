@@ -9,6 +9,9 @@
 //! Sizes: `PODS`, `SERVICES`, `CLIENTS` environment variables.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader};
 use std::path::Path;

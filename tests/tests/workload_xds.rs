@@ -3,6 +3,8 @@
 //! within a second as exactly the changed resources, and a bad edit is
 //! rejected with its file and object while everything keeps serving.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 

@@ -1,9 +1,9 @@
 //! One Delta ADS stream (`DeltaAggregatedResources`).
 //!
-//! The stream remembers, per type, what the client holds (`sent`: primary
-//! name -> version) and sends only what differs: added or changed resources
-//! and the names of removed ones. Clients reconnecting with
-//! `initial_resource_versions` get only what changed while they were away.
+//! The stream sends only what differs from what its client holds: added or
+//! changed resources and the names of removed ones. Clients reconnecting
+//! with `initial_resource_versions` get only what changed while they were
+//! away.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -31,13 +31,19 @@ pub(super) enum StreamEnd {
 }
 
 /// What one client holds and wants of one type.
+///
+/// A wildcard subscriber holds exactly the resources of the snapshot its
+/// stream last processed, so nothing per client is stored for it: pushes
+/// are the snapshot's own delta, or a diff of two snapshots when the stream
+/// skipped some. Only explicit (on-demand) subscriptions keep a small map of
+/// what was sent.
 #[derive(Debug)]
 struct Subscription {
     type_url: &'static str,
     wildcard: bool,
     /// Names subscribed explicitly: primary names or `network/ip` aliases.
     names: HashSet<String>,
-    /// Primary name -> version the client holds.
+    /// Explicit subscriptions only: primary name -> version the client holds.
     sent: HashMap<String, String>,
     /// The first request of this type has been answered.
     answered: bool,
@@ -86,70 +92,102 @@ impl Subscription {
         }
     }
 
-    /// Adds `res` to `out` unless the client already holds this version.
-    fn offer(&mut self, res: &XdsResource, out: &mut Changes) {
-        if self.sent.get(&res.name) != Some(&res.version) {
-            out.resources.push(self.to_resource(res));
-            self.sent.insert(res.name.clone(), res.version.clone());
+    /// How many resources the client holds, for `/debug/connections`.
+    fn held(&self, set: &ResourceSet) -> usize {
+        if self.wildcard {
+            set.by_name.len()
+        } else {
+            self.sent.len()
         }
     }
 
-    /// Compares everything the client holds and wants with `set`.
-    /// `new_names` are explicit names subscribed just now: those that do not
-    /// exist are reported as removed so the client stops waiting for them.
-    fn reconcile(&mut self, set: &ResourceSet, new_names: &[String]) -> Changes {
+    /// Wildcard: everything in `set` the client does not already hold
+    /// according to `held` (name -> version), and removal of the rest of `held`.
+    fn wildcard_against(&self, set: &ResourceSet, held: &HashMap<String, String>) -> Changes {
         let mut out = Changes::default();
-        if self.wildcard {
-            for res in set.by_name.values() {
-                self.offer(res, &mut out);
+        for res in set.by_name.values() {
+            if held.get(&res.name) != Some(&res.version) {
+                out.resources.push(self.to_resource(res));
             }
         }
-        let mut wanted: HashSet<String> = HashSet::new();
-        let names: Vec<String> = self.names.iter().cloned().collect();
-        for n in &names {
-            match set.resolve(n) {
-                Some(primary) => {
-                    if let Some(res) = set.by_name.get(primary) {
-                        if !self.wildcard {
-                            self.offer(res, &mut out);
-                        }
-                        wanted.insert(res.name.clone());
-                    }
-                }
-                None if new_names.contains(n) => out.removed.push(n.clone()),
-                None => {}
+        out.removed = held
+            .keys()
+            .filter(|n| !set.by_name.contains_key(*n))
+            .cloned()
+            .collect();
+        out
+    }
+
+    /// Wildcard: the difference between two snapshots' sets.
+    fn wildcard_diff(&self, prev: &ResourceSet, next: &ResourceSet) -> Changes {
+        let mut out = Changes::default();
+        for (name, res) in &next.by_name {
+            match prev.by_name.get(name) {
+                Some(p) if Arc::ptr_eq(p, res) || p.version == res.version => {}
+                _ => out.resources.push(self.to_resource(res)),
             }
         }
-        let wildcard = self.wildcard;
+        out.removed = prev
+            .by_name
+            .keys()
+            .filter(|n| !next.by_name.contains_key(*n))
+            .cloned()
+            .collect();
+        out
+    }
+
+    /// Wildcard: the changes of one consecutive snapshot.
+    fn wildcard_delta(&self, snap: &Snapshot) -> Changes {
+        let mut out = Changes::default();
+        let (Some(set), Some(d)) = (resources(snap, self.type_url), delta(snap, self.type_url))
+        else {
+            return out;
+        };
+        out.resources = d
+            .changed
+            .iter()
+            .filter_map(|n| set.by_name.get(n))
+            .map(|r| self.to_resource(r))
+            .collect();
+        out.removed = d.removed.iter().cloned().collect();
+        out
+    }
+
+    /// Explicit names that resolve to nothing in `set`, among `new_names`:
+    /// reported as removed so the client stops waiting for them.
+    fn unknown(&self, set: &ResourceSet, new_names: &[String]) -> Vec<String> {
+        new_names
+            .iter()
+            .filter(|n| set.resolve(n).is_none())
+            .cloned()
+            .collect()
+    }
+
+    /// Explicit: brings what the client holds in line with its names.
+    fn reconcile_explicit(&mut self, set: &ResourceSet, new_names: &[String]) -> Changes {
+        let mut out = Changes::default();
+        let mut wanted: HashSet<&str> = HashSet::new();
+        for n in &self.names {
+            if let Some(res) = set.resolve(n).and_then(|p| set.by_name.get(p))
+                && wanted.insert(&res.name)
+                && self.sent.get(&res.name) != Some(&res.version)
+            {
+                out.resources.push(self.to_resource(res));
+            }
+        }
+        for r in &out.resources {
+            self.sent.insert(r.name.clone(), r.version.clone());
+        }
+        out.removed = self.unknown(set, new_names);
         self.sent.retain(|name, _| {
             if !set.by_name.contains_key(name) {
                 out.removed.push(name.clone());
                 false
             } else {
                 // No longer wanted: the client dropped it itself.
-                wildcard || wanted.contains(name)
+                wanted.contains(name.as_str())
             }
         });
-        out
-    }
-
-    /// Applies the changes of one consecutive snapshot (wildcard only).
-    fn apply_delta(&mut self, snap: &Snapshot) -> Changes {
-        let mut out = Changes::default();
-        let (Some(set), Some(d)) = (resources(snap, self.type_url), delta(snap, self.type_url))
-        else {
-            return out;
-        };
-        for name in &d.changed {
-            if let Some(res) = set.by_name.get(name) {
-                self.offer(res, &mut out);
-            }
-        }
-        for name in &d.removed {
-            if self.sent.remove(name).is_some() {
-                out.removed.push(name.clone());
-            }
-        }
         out
     }
 }
@@ -252,14 +290,14 @@ impl DeltaStream {
     }
 
     async fn on_request(&mut self, req: DeltaDiscoveryRequest) -> Result<(), StreamEnd> {
-        if self.node_id.is_empty() {
-            if let Some(node) = &req.node {
-                self.node_id = node.id.clone();
-                let node_id = self.node_id.clone();
-                self.shared
-                    .registry
-                    .update(self.id, |p| p.node_id = node_id);
-            }
+        if self.node_id.is_empty()
+            && let Some(node) = &req.node
+        {
+            self.node_id = node.id.clone();
+            let node_id = self.node_id.clone();
+            self.shared
+                .registry
+                .update(self.id, |p| p.node_id = node_id);
         }
         let Some(type_url) = SUPPORTED_TYPES.iter().copied().find(|t| *t == req.type_url) else {
             debug!(type_url = %req.type_url, "ignoring a request for a type this server does not serve");
@@ -293,15 +331,18 @@ impl DeltaStream {
                 self.subs.len() - 1
             }
         };
+        let Some(set) = resources(&self.snap, type_url) else {
+            return Ok(());
+        };
         let sub = &mut self.subs[idx];
         let first = !sub.answered;
-        let mut changed = first;
+        let was_wildcard = sub.wildcard;
         if first {
             sub.answered = true;
             sub.wildcard = req.resource_names_subscribe.is_empty()
                 || req.resource_names_subscribe.iter().any(|n| n == "*");
-            sub.sent.extend(req.initial_resource_versions);
         }
+        let mut changed = first;
         let mut new_names = Vec::new();
         for n in req.resource_names_subscribe {
             if n == "*" {
@@ -323,10 +364,39 @@ impl DeltaStream {
         if !changed {
             return Ok(());
         }
-        let Some(set) = resources(&self.snap, type_url) else {
-            return Ok(());
+        let changes = match (first, was_wildcard, sub.wildcard) {
+            // First answer: skip what the client says it already holds.
+            (true, _, true) => {
+                let mut c = sub.wildcard_against(set, &req.initial_resource_versions);
+                c.removed.extend(sub.unknown(set, &new_names));
+                c
+            }
+            (true, _, false) => {
+                sub.sent = req.initial_resource_versions;
+                sub.reconcile_explicit(set, &new_names)
+            }
+            // Explicit -> wildcard: send the rest of the world.
+            (false, false, true) => {
+                let held = std::mem::take(&mut sub.sent);
+                sub.wildcard_against(set, &held)
+            }
+            // Wildcard -> explicit: the client holds everything; keep the wanted part.
+            (false, true, false) => {
+                sub.sent = sub
+                    .names
+                    .iter()
+                    .filter_map(|n| set.resolve(n).and_then(|p| set.by_name.get(p)))
+                    .map(|r| (r.name.clone(), r.version.clone()))
+                    .collect();
+                sub.reconcile_explicit(set, &new_names)
+            }
+            // Wildcard, new on-demand names: held already unless unknown.
+            (false, true, true) => Changes {
+                removed: sub.unknown(set, &new_names),
+                ..Default::default()
+            },
+            (false, false, false) => sub.reconcile_explicit(set, &new_names),
         };
-        let changes = sub.reconcile(set, &new_names);
         let (wildcard, explicit) = (sub.wildcard, sub.names.len());
         self.shared.registry.update(self.id, |p| {
             let t = p.types.entry(type_url.to_string()).or_default();
@@ -343,16 +413,19 @@ impl DeltaStream {
 
     async fn on_snapshot(&mut self, snap: Arc<Snapshot>) -> Result<(), StreamEnd> {
         let consecutive = snap.seq == self.snap.seq + 1;
-        self.snap = snap;
+        let prev = std::mem::replace(&mut self.snap, snap);
         for idx in 0..self.subs.len() {
             let sub = &mut self.subs[idx];
-            let changes = if consecutive && sub.wildcard && sub.names.is_empty() {
-                sub.apply_delta(&self.snap)
-            } else {
-                match resources(&self.snap, sub.type_url) {
-                    Some(set) => sub.reconcile(set, &[]),
-                    None => Changes::default(),
-                }
+            let (Some(old), Some(new)) = (
+                resources(&prev, sub.type_url),
+                resources(&self.snap, sub.type_url),
+            ) else {
+                continue;
+            };
+            let changes = match (sub.wildcard, consecutive) {
+                (true, true) => sub.wildcard_delta(&self.snap),
+                (true, false) => sub.wildcard_diff(old, new),
+                (false, _) => sub.reconcile_explicit(new, &[]),
             };
             if !changes.is_empty() {
                 self.send(idx, changes).await?;
@@ -421,7 +494,7 @@ impl DeltaStream {
             .get_or_create(&labels)
             .inc_by(changes.resources.len() as u64);
         m.push_bytes.get_or_create(&labels).inc_by(bytes as u64);
-        let held = sub.sent.len();
+        let held = resources(&self.snap, type_url).map_or(0, |set| sub.held(set));
         let nonce_copy = nonce.clone();
         self.shared.registry.update(self.id, |p| {
             let t = p.types.entry(type_url.to_string()).or_default();

@@ -137,14 +137,14 @@ impl SotwStream {
     }
 
     async fn on_request(&mut self, req: DiscoveryRequest) -> Result<(), StreamEnd> {
-        if self.node_id.is_empty() {
-            if let Some(node) = &req.node {
-                self.node_id = node.id.clone();
-                let node_id = self.node_id.clone();
-                self.shared
-                    .registry
-                    .update(self.id, |p| p.node_id = node_id);
-            }
+        if self.node_id.is_empty()
+            && let Some(node) = &req.node
+        {
+            self.node_id = node.id.clone();
+            let node_id = self.node_id.clone();
+            self.shared
+                .registry
+                .update(self.id, |p| p.node_id = node_id);
         }
         let Some(type_url) = SUPPORTED_TYPES.iter().copied().find(|t| *t == req.type_url) else {
             debug!(type_url = %req.type_url, "ignoring a request for a type this server does not serve");

@@ -28,7 +28,7 @@ fn workload(uid: &str, ip: [u8; 4], sa: &str) -> XdsResource {
         uid: uid.into(),
         name: uid.rsplit('/').next().unwrap_or(uid).into(),
         namespace: "ns".into(),
-        addresses: vec![ip.to_vec().into()],
+        addresses: vec![ip.to_vec()],
         service_account: sa.into(),
         ..Default::default()
     };

@@ -1,15 +1,16 @@
 //! Changes to a [`StateSnapshot`] that keep every index consistent.
 //!
 //! Only the writer calls these, on its private copy of the snapshot before
-//! publishing it. `Arc::make_mut` copies an index the first time a change
-//! touches it (the published snapshot still shares it) and never again
-//! within the same batch.
+//! publishing it. Every index is a [`ShardedMap`](super::ShardedMap): the
+//! first change to a shard copies that shard (the published snapshot still
+//! shares it) and later changes to it within the same batch copy nothing.
+//! Removing something absent copies nothing at all.
 
 use std::sync::Arc;
 
 use super::{
     Address, Authorization, Endpoint, NetworkAddress, ResourceKey, ResourceType, Service,
-    StateSnapshot, Workload, XdsEntry,
+    ShardedMap, StateSnapshot, Workload, XdsEntry,
 };
 
 fn same_service(a: &Service, b: &Service) -> bool {
@@ -21,18 +22,16 @@ impl StateSnapshot {
     /// endpoint indexes (an address or service it no longer has is dropped).
     pub fn insert_workload(&mut self, w: Workload) -> Arc<Workload> {
         let w = Arc::new(w);
-        let old = Arc::make_mut(&mut self.workloads).insert(w.uid.clone(), w.clone());
-        let by_addr = Arc::make_mut(&mut self.workloads_by_addr);
+        let old = self.workloads.insert(w.uid.clone(), w.clone());
         if let Some(old) = &old {
-            for ip in &old.ips {
-                let key = NetworkAddress::new(old.network.clone(), *ip);
-                if by_addr.get(&key).is_some_and(|cur| cur.uid == old.uid) {
-                    by_addr.remove(&key);
-                }
+            let kept = |ip| old.network == w.network && w.ips.contains(ip);
+            for ip in old.ips.iter().filter(|ip| !kept(ip)) {
+                self.drop_workload_addr(old, *ip);
             }
         }
         for ip in &w.ips {
-            by_addr.insert(NetworkAddress::new(w.network.clone(), *ip), w.clone());
+            self.workloads_by_addr
+                .insert(NetworkAddress::new(w.network.clone(), *ip), w.clone());
         }
         self.update_endpoints(&w.uid, old.as_deref(), Some(&w));
         w
@@ -40,19 +39,25 @@ impl StateSnapshot {
 
     /// Removes the workload `uid` from every index.
     pub fn remove_workload(&mut self, uid: &str) -> Option<Arc<Workload>> {
-        if !self.workloads.contains_key(uid) {
-            return None;
-        }
-        let old = Arc::make_mut(&mut self.workloads).remove(uid)?;
-        let by_addr = Arc::make_mut(&mut self.workloads_by_addr);
+        let old = self.workloads.remove(uid)?;
         for ip in &old.ips {
-            let key = NetworkAddress::new(old.network.clone(), *ip);
-            if by_addr.get(&key).is_some_and(|cur| cur.uid == old.uid) {
-                by_addr.remove(&key);
-            }
+            self.drop_workload_addr(&old, *ip);
         }
         self.update_endpoints(&old.uid, Some(&old), None);
         Some(old)
+    }
+
+    /// Drops `ip` of workload `old` from the address index, unless another
+    /// workload has taken the address over since.
+    fn drop_workload_addr(&mut self, old: &Workload, ip: std::net::IpAddr) {
+        let key = NetworkAddress::new(old.network.clone(), ip);
+        if self
+            .workloads_by_addr
+            .get(&key)
+            .is_some_and(|cur| cur.uid == old.uid)
+        {
+            self.workloads_by_addr.remove(&key);
+        }
     }
 
     /// Moves workload `uid` between endpoint sets as its service list
@@ -63,17 +68,21 @@ impl StateSnapshot {
         {
             return;
         }
-        let endpoints = Arc::make_mut(&mut self.endpoints);
+        let endpoints = &mut self.endpoints;
         if let Some(old) = old {
             for key in old.services.keys() {
                 if new.is_some_and(|n| n.services.contains_key(key)) {
                     continue;
                 }
-                if let Some(set) = endpoints.get_mut(key.as_str()) {
-                    Arc::make_mut(set).remove(uid);
-                    if set.is_empty() {
-                        endpoints.remove(key.as_str());
+                let now_empty = match endpoints.get_mut(key.as_str()) {
+                    Some(set) => {
+                        Arc::make_mut(set).remove(uid);
+                        set.is_empty()
                     }
+                    None => false,
+                };
+                if now_empty {
+                    endpoints.remove(key.as_str());
                 }
             }
         }
@@ -83,7 +92,7 @@ impl StateSnapshot {
                     continue;
                 }
                 let service: Arc<str> = Arc::from(key.as_str());
-                let set = endpoints.entry(service.clone()).or_default();
+                let set = endpoints.get_or_insert_with(service.clone(), Default::default);
                 Arc::make_mut(set).insert(
                     uid.clone(),
                     Endpoint {
@@ -101,17 +110,14 @@ impl StateSnapshot {
     pub fn insert_service(&mut self, s: Service) -> Arc<Service> {
         let key: Arc<str> = Arc::from(s.key());
         let s = Arc::new(s);
-        let old = Arc::make_mut(&mut self.services).insert(key, s.clone());
-        let by_vip = Arc::make_mut(&mut self.services_by_vip);
+        let old = self.services.insert(key, s.clone());
         if let Some(old) = &old {
-            for vip in &old.vips {
-                if by_vip.get(vip).is_some_and(|cur| same_service(cur, old)) {
-                    by_vip.remove(vip);
-                }
+            for vip in old.vips.iter().filter(|vip| !s.vips.contains(vip)) {
+                self.drop_service_vip(old, vip);
             }
         }
         for vip in &s.vips {
-            by_vip.insert(vip.clone(), s.clone());
+            self.services_by_vip.insert(vip.clone(), s.clone());
         }
         s
     }
@@ -119,32 +125,35 @@ impl StateSnapshot {
     /// Removes the service `namespace/hostname` and its VIPs. Its endpoints
     /// are no longer visible through [`StateSnapshot::endpoints`].
     pub fn remove_service(&mut self, key: &str) -> Option<Arc<Service>> {
-        if !self.services.contains_key(key) {
-            return None;
-        }
-        let old = Arc::make_mut(&mut self.services).remove(key)?;
-        let by_vip = Arc::make_mut(&mut self.services_by_vip);
+        let old = self.services.remove(key)?;
         for vip in &old.vips {
-            if by_vip.get(vip).is_some_and(|cur| same_service(cur, &old)) {
-                by_vip.remove(vip);
-            }
+            self.drop_service_vip(&old, vip);
         }
         Some(old)
+    }
+
+    /// Drops `vip` of service `old` from the VIP index, unless another
+    /// service has taken the VIP over since.
+    fn drop_service_vip(&mut self, old: &Service, vip: &NetworkAddress) {
+        if self
+            .services_by_vip
+            .get(vip)
+            .is_some_and(|cur| same_service(cur, old))
+        {
+            self.services_by_vip.remove(vip);
+        }
     }
 
     /// Adds or replaces the policy `namespace/name`.
     pub fn insert_authorization(&mut self, a: Authorization) -> Arc<Authorization> {
         let a = Arc::new(a);
-        Arc::make_mut(&mut self.policies).insert(Arc::from(a.key()), a.clone());
+        self.policies.insert(Arc::from(a.key()), a.clone());
         a
     }
 
     /// Removes the policy `namespace/name`.
     pub fn remove_authorization(&mut self, key: &str) -> Option<Arc<Authorization>> {
-        if !self.policies.contains_key(key) {
-            return None;
-        }
-        Arc::make_mut(&mut self.policies).remove(key)
+        self.policies.remove(key)
     }
 
     fn remove_key(&mut self, key: &ResourceKey) {
@@ -161,13 +170,10 @@ impl StateSnapshot {
         }
     }
 
-    fn resources_mut(
-        &mut self,
-        ty: ResourceType,
-    ) -> &mut std::collections::HashMap<String, XdsEntry> {
+    fn resources_mut(&mut self, ty: ResourceType) -> &mut ShardedMap<Arc<str>, XdsEntry> {
         match ty {
-            ResourceType::Address => Arc::make_mut(&mut self.address_resources),
-            ResourceType::Authorization => Arc::make_mut(&mut self.authorization_resources),
+            ResourceType::Address => &mut self.address_resources,
+            ResourceType::Authorization => &mut self.authorization_resources,
         }
     }
 
@@ -198,7 +204,7 @@ impl StateSnapshot {
 
     fn replace_entry(&mut self, ty: ResourceType, name: &str, version: &str, key: ResourceKey) {
         let previous = self.resources_mut(ty).insert(
-            name.to_string(),
+            Arc::from(name),
             XdsEntry {
                 version: version.to_string(),
                 key: key.clone(),
@@ -214,9 +220,6 @@ impl StateSnapshot {
     /// Removes the xDS resource `name` of type `ty` and what it stood for.
     /// Returns false if it was not held.
     pub fn remove_resource(&mut self, ty: ResourceType, name: &str) -> bool {
-        if !self.xds_resources(ty).contains_key(name) {
-            return false;
-        }
         match self.resources_mut(ty).remove(name) {
             Some(entry) => {
                 self.remove_key(&entry.key);

@@ -4,12 +4,14 @@
 //! One writer (the xDS task) owns a [`StateWriter`]; it builds the next
 //! [`StateSnapshot`] from the current one and publishes it with
 //! [`StateWriter::publish`]. Readers hold a [`StateReader`] and get an
-//! immutable `Arc<StateSnapshot>` without ever blocking. Every index sits
-//! behind its own `Arc` and every value is an `Arc`, so building the next
-//! snapshot only copies the indexes a response actually touched, and a
-//! copied index copies pointers, not workloads.
+//! immutable `Arc<StateSnapshot>` without ever blocking. Every index is a
+//! [`ShardedMap`] (copy-on-write shards behind `Arc`s) and every value is an
+//! `Arc`, so building the next snapshot copies only the shards a response
+//! actually touched, and a copied shard copies pointers, not workloads: a
+//! one-workload change costs microseconds however large the mesh.
 
 mod index;
+mod sharded;
 mod types;
 
 #[cfg(test)]
@@ -24,6 +26,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 use tokio::sync::watch;
 
+pub use self::sharded::ShardedMap;
 pub use self::types::{
     Address, Authorization, GatewayAddress, GatewayDestination, HealthStatus, IpNet, Locality,
     NetworkAddress, PortMapping, RbacMatch, Service, StringMatch, TunnelProtocol, Workload,
@@ -147,24 +150,23 @@ pub struct Endpoint {
 /// Endpoints of one service, by workload uid.
 pub type EndpointSet = HashMap<Arc<str>, Endpoint>;
 
-type Map<K, V> = Arc<HashMap<K, V>>;
-
 /// An immutable view of the mesh at one point in time.
 #[derive(Clone, Debug, Default)]
 pub struct StateSnapshot {
     generation: u64,
-    workloads: Map<Arc<str>, Arc<Workload>>,
-    workloads_by_addr: Map<NetworkAddress, Arc<Workload>>,
-    services: Map<Arc<str>, Arc<Service>>,
-    services_by_vip: Map<NetworkAddress, Arc<Service>>,
+    workloads: ShardedMap<Arc<str>, Arc<Workload>>,
+    workloads_by_addr: ShardedMap<NetworkAddress, Arc<Workload>>,
+    services: ShardedMap<Arc<str>, Arc<Service>>,
+    services_by_vip: ShardedMap<NetworkAddress, Arc<Service>>,
     /// Every service key some workload claims, including services not
     /// (yet) received, so a service arriving after its workloads — or
     /// removed and re-added — gets its endpoints at once. Lookups only
     /// show the sets of known services.
-    endpoints: Map<Arc<str>, Arc<EndpointSet>>,
-    policies: Map<Arc<str>, Arc<Authorization>>,
-    address_resources: Map<String, XdsEntry>,
-    authorization_resources: Map<String, XdsEntry>,
+    endpoints: ShardedMap<Arc<str>, Arc<EndpointSet>>,
+    policies: ShardedMap<Arc<str>, Arc<Authorization>>,
+    /// xDS resource name → entry, per type.
+    address_resources: ShardedMap<Arc<str>, XdsEntry>,
+    authorization_resources: ShardedMap<Arc<str>, XdsEntry>,
 }
 
 impl StateSnapshot {
@@ -254,7 +256,7 @@ impl StateSnapshot {
     }
 
     /// xDS resource name → entry of every resource held of type `ty`.
-    pub fn xds_resources(&self, ty: ResourceType) -> &HashMap<String, XdsEntry> {
+    pub fn xds_resources(&self, ty: ResourceType) -> &ShardedMap<Arc<str>, XdsEntry> {
         match ty {
             ResourceType::Address => &self.address_resources,
             ResourceType::Authorization => &self.authorization_resources,
@@ -264,10 +266,14 @@ impl StateSnapshot {
     /// xDS resource name → version for type `ty`: what a reconnecting
     /// client sends as `initial_resource_versions`.
     pub fn resource_versions(&self, ty: ResourceType) -> HashMap<String, String> {
-        self.xds_resources(ty)
-            .iter()
-            .map(|(name, e)| (name.clone(), e.version.clone()))
-            .collect()
+        let resources = self.xds_resources(ty);
+        let mut versions = HashMap::with_capacity(resources.len());
+        versions.extend(
+            resources
+                .iter()
+                .map(|(name, e)| (name.to_string(), e.version.clone())),
+        );
+        versions
     }
 }
 
@@ -311,7 +317,7 @@ impl StateWriter {
     }
 
     /// A mutable copy of the last published snapshot, to change and then
-    /// [`publish`](Self::publish). Cheap: it copies index pointers only.
+    /// [`publish`](Self::publish). Cheap: it copies one pointer per index.
     pub fn begin(&self) -> StateSnapshot {
         StateSnapshot::clone(&self.current)
     }

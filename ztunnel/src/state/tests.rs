@@ -297,8 +297,9 @@ fn publish_shares_untouched_indexes() {
     next.insert_workload(workload("w2", &["10.0.0.2"], &[]));
     let second = writer.publish(next);
     // Services were not touched: the index is shared, not copied.
-    assert!(Arc::ptr_eq(&first.services, &second.services));
-    assert!(!Arc::ptr_eq(&first.workloads, &second.workloads));
+    assert!(first.services.ptr_eq(&second.services));
+    assert!(first.services_by_vip.ptr_eq(&second.services_by_vip));
+    assert!(!first.workloads.ptr_eq(&second.workloads));
     // The old snapshot is unchanged.
     assert_eq!(first.workload_count(), 1);
     assert_eq!(second.workload_count(), 2);
@@ -320,4 +321,114 @@ async fn reader_wait_for_sees_later_publish() {
         .unwrap()
         .unwrap();
     assert_eq!(snap.workload_count(), 1);
+}
+
+/// True if `b` (a later version of `a`) shares all but at most `copied` of
+/// `a`'s shards.
+fn all_but<K, V>(a: &ShardedMap<K, V>, b: &ShardedMap<K, V>, copied: usize) -> bool {
+    a.shard_count() == b.shard_count() && a.shared_shards(b) + copied >= a.shard_count()
+}
+
+/// The reason the indexes are sharded: with 10,000 workloads behind 1,000
+/// services, publishing a one-workload change copies one shard of each index
+/// it touches and shares everything else with the previous snapshot, which
+/// stays as it was. (Structure only; timings are measured outside tests.)
+#[test]
+fn one_workload_update_at_scale_copies_only_touched_shards() {
+    const WORKLOADS: usize = 10_000;
+    const SERVICES: usize = 1_000;
+    let svc_key = |i: usize| format!("ns/svc{i}.ns.svc.cluster.local");
+    let wl = |i: usize, ip_offset: u32, port: u32| {
+        let ip = std::net::Ipv4Addr::from(0x0a00_0000 + i as u32 + ip_offset).to_string();
+        let key = svc_key(i % SERVICES);
+        Address::Workload(Box::new(workload(
+            &format!("Kubernetes//Pod/ns/pod-{i}"),
+            &[ip.as_str()],
+            &[(key.as_str(), 80, port)],
+        )))
+    };
+
+    let (mut writer, _reader) = new_state();
+    let mut next = writer.begin();
+    for i in 0..SERVICES {
+        let vip = std::net::Ipv4Addr::from(0x0a60_0000 + i as u32).to_string();
+        let host = format!("svc{i}.ns.svc.cluster.local");
+        next.apply_address(
+            &svc_key(i),
+            "v1",
+            Address::Service(Box::new(service("ns", &host, &[vip.as_str()]))),
+        );
+    }
+    for i in 0..WORKLOADS {
+        next.apply_address(&format!("Kubernetes//Pod/ns/pod-{i}"), "v1", wl(i, 0, 8080));
+    }
+    let before = writer.publish(next);
+    assert_eq!(before.workload_count(), WORKLOADS);
+    assert_eq!(before.service_count(), SERVICES);
+    assert!(before.workloads.shard_count() >= 64);
+    assert!(before.address_resources.shard_count() >= 64);
+
+    // Same services, new IP: workloads, addresses and resource versions change.
+    let name = "Kubernetes//Pod/ns/pod-42";
+    let mut next = writer.begin();
+    next.apply_address(name, "v2", wl(42, 1_000_000, 8080));
+    let after = writer.publish(next);
+
+    assert!(all_but(&before.workloads, &after.workloads, 1));
+    assert!(all_but(
+        &before.address_resources,
+        &after.address_resources,
+        1
+    ));
+    // The old address is dropped and the new one added: at most two shards.
+    assert!(all_but(
+        &before.workloads_by_addr,
+        &after.workloads_by_addr,
+        2
+    ));
+    assert!(!before.workloads.ptr_eq(&after.workloads));
+    assert!(before.services.ptr_eq(&after.services));
+    assert!(before.policies.ptr_eq(&after.policies));
+    assert!(before.services_by_vip.ptr_eq(&after.services_by_vip));
+    assert!(before.endpoints.ptr_eq(&after.endpoints));
+    assert!(
+        before
+            .authorization_resources
+            .ptr_eq(&after.authorization_resources)
+    );
+
+    // Old snapshot unchanged, new one updated.
+    assert_eq!(
+        &*before.workload_by_ip("", ip("10.0.0.42")).unwrap().uid,
+        name
+    );
+    assert!(after.workload_by_ip("", ip("10.0.0.42")).is_none());
+    assert!(after.workload_by_ip("", ip("10.15.66.106")).is_some());
+    assert_eq!(before.resource_versions(ResourceType::Address)[name], "v1");
+    assert_eq!(after.resource_versions(ResourceType::Address)[name], "v2");
+    assert_eq!(
+        after.resource_versions(ResourceType::Address).len(),
+        WORKLOADS + SERVICES
+    );
+
+    // A port change moves the endpoint: one shard of the endpoint index and
+    // a copy of that one service's endpoint set; other sets stay shared.
+    let mut next = writer.begin();
+    next.apply_address(name, "v3", wl(42, 1_000_000, 9090));
+    let moved = writer.publish(next);
+    assert!(all_but(&after.endpoints, &moved.endpoints, 1));
+    let svc = svc_key(42);
+    assert_eq!(
+        moved.endpoint_set(&svc).unwrap()[name].ports[0].target_port,
+        9090
+    );
+    assert_eq!(
+        after.endpoint_set(&svc).unwrap()[name].ports[0].target_port,
+        8080
+    );
+    let other = svc_key(43);
+    assert!(Arc::ptr_eq(
+        &after.endpoints(&other).unwrap(),
+        &moved.endpoints(&other).unwrap()
+    ));
 }
