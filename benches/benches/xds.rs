@@ -174,6 +174,16 @@ async fn raw_full_sync(xds: std::net::SocketAddr, i: usize) -> Result<usize> {
     Ok(resp.resources.len())
 }
 
+/// CPU seconds (user + system) used so far by process `pid`.
+fn cpu_secs(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the `(comm)` that may contain spaces; utime and stime are 14 and 15.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
+
 /// The child: a control plane on the generated dir until stdin closes.
 fn run_control_child() -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -300,6 +310,7 @@ fn main() -> Result<()> {
         // 3a. 100 plain Delta clients (decode every resource, keep nothing):
         //     what the server itself can fan out.
         let t = Instant::now();
+        let cpu0 = cpu_secs(pid);
         let raw = (0..clients).map(|i| raw_full_sync(xds, i));
         let counts = futures::future::try_join_all(raw).await?;
         let raw_sync = t.elapsed();
@@ -307,8 +318,9 @@ fn main() -> Result<()> {
             bail!("a raw client got {counts:?} resources");
         }
         println!(
-            "full sync of {clients} plain Delta clients (decode all, ACK): {}",
-            ms(raw_sync)
+            "full sync of {clients} plain Delta clients (decode all, ACK): {} (control plane CPU {:.2} s)",
+            ms(raw_sync),
+            cpu_secs(pid) - cpu0
         );
         let (rss, hwm) = rss_kib(pid);
         println!(
@@ -319,6 +331,7 @@ fn main() -> Result<()> {
 
         // 3b. 100 ztunnels connect at once; time until all hold everything.
         let t = Instant::now();
+        let cpu0 = cpu_secs(pid);
         let starts = (0..clients).map(|i| {
             ambit_ztunnel::start(
                 ambit_ztunnel::Config::new(format!("node-{i}"), format!("http://{xds}"))
@@ -339,7 +352,11 @@ fn main() -> Result<()> {
                 );
             }
         }
-        println!("full sync of {clients} ztunnels (connect to all holding {pods} workloads + {services} services): {}", ms(sync));
+        println!(
+            "full sync of {clients} ztunnels (connect to all holding {pods} workloads + {services} services): {} (control plane CPU {:.2} s)",
+            ms(sync),
+            cpu_secs(pid) - cpu0
+        );
         let (rss, hwm) = rss_kib(pid);
         println!(
             "control plane RSS: {} MiB before clients, {} MiB serving {clients} clients (peak {} MiB)",

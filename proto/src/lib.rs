@@ -22,3 +22,8 @@ pub mod auth {
 pub const ADDRESS_TYPE_URL: &str = "type.googleapis.com/istio.workload.Address";
 /// xDS type URL of `istio.security.Authorization`.
 pub const AUTHORIZATION_TYPE_URL: &str = "type.googleapis.com/istio.security.Authorization";
+
+/// Suffix of `system_version_info` on a Delta response that the control
+/// plane split into chunks and that is not the last chunk: the type is not
+/// yet fully synced. Other control planes never set it.
+pub const PARTIAL_RESPONSE_MARKER: &str = "+partial";

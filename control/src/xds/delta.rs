@@ -16,7 +16,9 @@ use tonic::{Status, Streaming};
 use tracing::{debug, info, warn};
 
 use super::status::{NackRecord, ProxyInfo, type_label, unix_now};
-use super::{FULL_SYNC_SLOT_TIMEOUT, LARGE_RESPONSE, SUPPORTED_TYPES, Shared, delta, resources};
+use super::{
+    CHUNK, FULL_SYNC_SLOT_TIMEOUT, LARGE_RESPONSE, SUPPORTED_TYPES, Shared, delta, resources,
+};
 use crate::model::snapshot::{ResourceSet, Snapshot, XdsResource};
 
 /// Why a stream ended.
@@ -461,10 +463,20 @@ impl DeltaStream {
         });
     }
 
+    /// Sends `changes` as one response, or as several of at most
+    /// [`CHUNK`] resources when large: tonic keeps a stream's encode buffer
+    /// at the size of the largest message it ever sent, so one 2 MB full
+    /// sync would pin 2-4 MB for the life of every stream. All but the last
+    /// chunk carry `system_version_info` ending in
+    /// [`ambit_proto::PARTIAL_RESPONSE_MARKER`]; Ambit's ztunnel counts a
+    /// type as synced only at the last one.
     async fn send(&mut self, idx: usize, changes: Changes) -> Result<(), StreamEnd> {
-        self.nonce += 1;
-        let nonce = format!("{}-{}", self.id, self.nonce);
-        if changes.resources.len() >= LARGE_RESPONSE {
+        let type_url = self.subs[idx].type_url;
+        let Changes {
+            mut resources,
+            removed,
+        } = changes;
+        if resources.len() >= LARGE_RESPONSE {
             // Wait for a full-sync slot; our own previous one is released first.
             self.sync_slot = None;
             let permit = self
@@ -475,53 +487,71 @@ impl DeltaStream {
                 .await
                 .map_err(|_| StreamEnd::ModelStopped)?;
             self.sync_slot = Some(SyncSlot {
-                nonce: nonce.clone(),
+                nonce: String::new(), // set to the last chunk's nonce below
                 deadline: tokio::time::Instant::now() + FULL_SYNC_SLOT_TIMEOUT,
                 _permit: permit,
             });
         }
-        let sub = &self.subs[idx];
-        let type_url = sub.type_url;
         let labels = vec![("type", type_label(type_url))];
-        let bytes: usize = changes
-            .resources
+        let bytes: usize = resources
             .iter()
             .map(|r| r.resource.as_ref().map_or(0, |a| a.value.len()))
             .sum();
+        let count = resources.len();
+        let chunks = count.div_ceil(CHUNK).max(1);
         let m = &self.shared.metrics;
-        m.pushes.get_or_create(&labels).inc();
-        m.resources_sent
-            .get_or_create(&labels)
-            .inc_by(changes.resources.len() as u64);
+        m.pushes.get_or_create(&labels).inc_by(chunks as u64);
+        m.resources_sent.get_or_create(&labels).inc_by(count as u64);
         m.push_bytes.get_or_create(&labels).inc_by(bytes as u64);
-        let held = resources(&self.snap, type_url).map_or(0, |set| sub.held(set));
-        let nonce_copy = nonce.clone();
-        self.shared.registry.update(self.id, |p| {
-            let t = p.types.entry(type_url.to_string()).or_default();
-            t.pushes += 1;
-            t.resources_held = held;
-            t.last_nonce_sent = nonce_copy;
-        });
         debug!(
             type_url,
-            nonce,
-            resources = changes.resources.len(),
-            removed = changes.removed.len(),
+            resources = count,
+            removed = removed.len(),
             bytes,
+            chunks,
             "pushing delta response"
         );
-        let resp = DeltaDiscoveryResponse {
-            system_version_info: self.snap.seq.to_string(),
-            resources: changes.resources,
-            type_url: type_url.to_string(),
-            removed_resources: changes.removed,
-            nonce,
-            ..Default::default()
-        };
-        self.tx
-            .send(Ok(resp))
-            .await
-            .map_err(|_| StreamEnd::ClientGone)
+
+        let seq = self.snap.seq;
+        let mut removed = Some(removed);
+        let mut nonce = String::new();
+        for i in 0..chunks {
+            let last = i + 1 == chunks;
+            let part = resources.split_off(resources.len() - resources.len().min(CHUNK));
+            self.nonce += 1;
+            nonce = format!("{}-{}", self.id, self.nonce);
+            if last && let Some(slot) = self.sync_slot.as_mut().filter(|s| s.nonce.is_empty()) {
+                slot.nonce = nonce.clone();
+            }
+            let resp = DeltaDiscoveryResponse {
+                system_version_info: if last {
+                    seq.to_string()
+                } else {
+                    format!("{seq}{}", ambit_proto::PARTIAL_RESPONSE_MARKER)
+                },
+                resources: part,
+                type_url: type_url.to_string(),
+                removed_resources: if last {
+                    removed.take().unwrap_or_default()
+                } else {
+                    Vec::new()
+                },
+                nonce: nonce.clone(),
+                ..Default::default()
+            };
+            self.tx
+                .send(Ok(resp))
+                .await
+                .map_err(|_| StreamEnd::ClientGone)?;
+        }
+        let held = super::resources(&self.snap, type_url).map_or(0, |set| self.subs[idx].held(set));
+        self.shared.registry.update(self.id, |p| {
+            let t = p.types.entry(type_url.to_string()).or_default();
+            t.pushes += chunks as u64;
+            t.resources_held = held;
+            t.last_nonce_sent = nonce;
+        });
+        Ok(())
     }
 }
 

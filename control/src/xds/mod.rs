@@ -34,6 +34,9 @@ const RESPONSE_QUEUE: usize = 4;
 /// Responses with at least this many resources count as a full sync.
 const LARGE_RESPONSE: usize = 1000;
 
+/// Most resources in one Delta response (~200 KB of workloads).
+const CHUNK: usize = 1000;
+
 /// Full syncs in flight at once (sent and not yet ACKed). Bounds the memory
 /// a crowd of reconnecting proxies can pin and lets the first of them get
 /// ready sooner; small pushes never wait.

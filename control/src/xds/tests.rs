@@ -356,3 +356,36 @@ async fn sotw_sends_full_set_on_change() {
     assert_eq!(next.resources.len(), 1);
     assert_ne!(next.version_info, first.version_info);
 }
+
+#[tokio::test]
+async fn large_sync_is_chunked_and_marked_partial_until_the_last_chunk() {
+    let items: Vec<XdsResource> = (0..2500u32)
+        .map(|i| {
+            let [_, _, a, b] = i.to_be_bytes();
+            workload(&format!("c//Pod/ns/p{i}"), [10, 1, a, b], "sa")
+        })
+        .collect();
+    let mut h = harness(items).await;
+    let mut req = wildcard();
+    req.initial_resource_versions
+        .insert("c//Pod/ns/gone".into(), "1".into());
+    let mut c = DeltaClient::open(&mut h, req).await;
+    let mut seen = std::collections::HashSet::new();
+    let mut removed = Vec::new();
+    let mut partial = Vec::new();
+    for _ in 0..3 {
+        let r = c.recv().await;
+        assert!(r.resources.len() <= CHUNK, "chunk of {}", r.resources.len());
+        partial.push(
+            r.system_version_info
+                .ends_with(ambit_proto::PARTIAL_RESPONSE_MARKER),
+        );
+        seen.extend(r.resources.iter().map(|x| x.name.clone()));
+        removed.extend(r.removed_resources.clone());
+        c.ack(&r).await;
+    }
+    assert_eq!(partial, [true, true, false]);
+    assert_eq!(seen.len(), 2500);
+    assert_eq!(removed, ["c//Pod/ns/gone"]);
+    c.quiet(Duration::from_millis(200)).await;
+}

@@ -78,7 +78,9 @@ fn perf_tmp() {
     let mut writer_keep = None;
     for _ in 0..7 {
         let svcs: Vec<_> = (0..S).map(|i| (svc_key(i), mk_service(i))).collect();
-        let wls: Vec<_> = (0..W).map(|i| (wname(i), mk_workload(i, 0, 8080))).collect();
+        let wls: Vec<_> = (0..W)
+            .map(|i| (wname(i), mk_workload(i, 0, 8080)))
+            .collect();
         let (mut writer, reader) = new_state();
         let t = Instant::now();
         let mut next = writer.begin();
@@ -93,12 +95,18 @@ fn perf_tmp() {
         assert_eq!(reader.load().workload_count(), W as usize);
         writer_keep = Some((writer, reader));
     }
-    println!("bulk 10k workloads + 1k services (median of 7): {:?}  all: {:?}", median(bulk_times.clone()), bulk_times);
+    println!(
+        "bulk 10k workloads + 1k services (median of 7): {:?}  all: {:?}",
+        median(bulk_times.clone()),
+        bulk_times
+    );
     let (mut writer, reader) = writer_keep.unwrap();
 
     // Single-workload update (new IP, same services) + publish.
     let n = 2000u32;
-    let inputs: Vec<_> = (0..n).map(|i| (wname(i * 5), mk_workload(i * 5, 1_000_000, 8080))).collect();
+    let inputs: Vec<_> = (0..n)
+        .map(|i| (wname(i * 5), mk_workload(i * 5, 1_000_000, 8080)))
+        .collect();
     let mut times = Vec::with_capacity(n as usize);
     let t_all = Instant::now();
     for (name, a) in inputs {
@@ -110,10 +118,16 @@ fn perf_tmp() {
         times.push(t.elapsed());
     }
     let total = t_all.elapsed();
-    println!("single-workload update+publish (IP change): median {:?}, mean {:?}", median(times.clone()), total / n);
+    println!(
+        "single-workload update+publish (IP change): median {:?}, mean {:?}",
+        median(times.clone()),
+        total / n
+    );
 
     // Single-workload update that moves an endpoint between services.
-    let inputs: Vec<_> = (0..n).map(|i| (wname(i * 5 + 1), mk_workload(i * 5 + 1, 0, 9090))).collect();
+    let inputs: Vec<_> = (0..n)
+        .map(|i| (wname(i * 5 + 1), mk_workload(i * 5 + 1, 0, 9090)))
+        .collect();
     let mut times = Vec::with_capacity(n as usize);
     for (name, a) in inputs {
         let _held = reader.load();
@@ -123,7 +137,10 @@ fn perf_tmp() {
         writer.publish(next);
         times.push(t.elapsed());
     }
-    println!("single-workload update+publish (endpoint port change): median {:?}", median(times));
+    println!(
+        "single-workload update+publish (endpoint port change): median {:?}",
+        median(times)
+    );
 
     // Remove + re-add one workload.
     let mut times = Vec::new();
@@ -139,7 +156,10 @@ fn perf_tmp() {
         writer.publish(next);
         times.push(t.elapsed() / 2);
     }
-    println!("single-workload remove or add + publish: median {:?}", median(times));
+    println!(
+        "single-workload remove or add + publish: median {:?}",
+        median(times)
+    );
 
     // Lookups.
     let snap = reader.load();
@@ -150,21 +170,33 @@ fn perf_tmp() {
             hits += 1;
         }
     }
-    println!("workload_by_uid x10k (incl. key format): {:?} hits={hits}", t.elapsed());
+    println!(
+        "workload_by_uid x10k (incl. key format): {:?} hits={hits}",
+        t.elapsed()
+    );
     let t = Instant::now();
     let rv = snap.resource_versions(ResourceType::Address);
-    println!("resource_versions (reconnect) {} entries: {:?}", rv.len(), t.elapsed());
+    println!(
+        "resource_versions (reconnect) {} entries: {:?}",
+        rv.len(),
+        t.elapsed()
+    );
     assert_eq!(rv.len(), (W + S) as usize);
 }
 
 #[test]
 #[ignore]
 fn perf_tmp_bulk() {
-    let iters: usize = std::env::var("BULK_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(25);
+    let iters: usize = std::env::var("BULK_ITERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(25);
     let mut times = Vec::new();
     for _ in 0..iters {
         let svcs: Vec<_> = (0..S).map(|i| (svc_key(i), mk_service(i))).collect();
-        let wls: Vec<_> = (0..W).map(|i| (wname(i), mk_workload(i, 0, 8080))).collect();
+        let wls: Vec<_> = (0..W)
+            .map(|i| (wname(i), mk_workload(i, 0, 8080)))
+            .collect();
         let (mut writer, reader) = new_state();
         let t = Instant::now();
         let mut next = writer.begin();
@@ -181,5 +213,10 @@ fn perf_tmp_bulk() {
     }
     let mut sorted = times.clone();
     sorted.sort();
-    println!("bulk x{iters}: min {:?} median {:?} max {:?}", sorted[0], sorted[sorted.len() / 2], sorted[sorted.len() - 1]);
+    println!(
+        "bulk x{iters}: min {:?} median {:?} max {:?}",
+        sorted[0],
+        sorted[sorted.len() / 2],
+        sorted[sorted.len() - 1]
+    );
 }

@@ -336,13 +336,19 @@ impl XdsClient {
             xm.resources
                 .get_or_create(&url)
                 .set(snapshot.xds_resources(ty).len() as i64);
-            self.mark_synced(ty);
+            // A chunked full sync is complete only at its last chunk.
+            if !resp
+                .system_version_info
+                .ends_with(ambit_proto::PARTIAL_RESPONSE_MARKER)
+            {
+                self.mark_synced(ty);
+            }
         }
         handled.reply
     }
 
-    /// The first response of a type is its sync point; ready once every
-    /// subscribed type has synced.
+    /// The first complete response of a type is its sync point; ready once
+    /// every subscribed type has synced.
     fn mark_synced(&mut self, ty: ResourceType) {
         if self.synced.insert(ty) && self.synced.len() == ResourceType::ALL.len() {
             let snap = self.writer.current();
