@@ -136,7 +136,7 @@ fn rss_kib(pid: u32) -> (u64, u64) {
 }
 
 /// One Delta client: subscribe to everything, decode every Address, ACK,
-/// and return how many resources the first response held.
+/// and return how many resources the full sync (all chunks) held.
 async fn raw_full_sync(xds: std::net::SocketAddr, i: usize) -> Result<usize> {
     use envoy_types::pb::envoy::config::core::v3::Node;
     use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
@@ -160,18 +160,27 @@ async fn raw_full_sync(xds: std::net::SocketAddr, i: usize) -> Result<usize> {
         .delta_aggregated_resources(tokio_stream::wrappers::ReceiverStream::new(rx))
         .await?
         .into_inner();
-    let resp = stream.next().await.context("stream ended")??;
-    for r in &resp.resources {
-        let any = r.resource.as_ref().context("resource without body")?;
-        ambit_proto::workload::Address::decode(any.value.as_slice())?;
+    let mut count = 0;
+    loop {
+        let resp = stream.next().await.context("stream ended")??;
+        for r in &resp.resources {
+            let any = r.resource.as_ref().context("resource without body")?;
+            ambit_proto::workload::Address::decode(any.value.as_slice())?;
+        }
+        count += resp.resources.len();
+        tx.send(DeltaDiscoveryRequest {
+            type_url: resp.type_url.clone(),
+            response_nonce: resp.nonce.clone(),
+            ..Default::default()
+        })
+        .await?;
+        if !resp
+            .system_version_info
+            .ends_with(ambit_proto::PARTIAL_RESPONSE_MARKER)
+        {
+            return Ok(count);
+        }
     }
-    tx.send(DeltaDiscoveryRequest {
-        type_url: resp.type_url.clone(),
-        response_nonce: resp.nonce.clone(),
-        ..Default::default()
-    })
-    .await?;
-    Ok(resp.resources.len())
 }
 
 /// CPU seconds (user + system) used so far by process `pid`.

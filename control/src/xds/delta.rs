@@ -255,7 +255,19 @@ impl DeltaStream {
             types: Default::default(),
         });
         debug!("delta xDS stream opened");
-        match self.serve(&mut requests, &mut snapshots).await {
+        // A new stream almost always starts with a full sync: take its slot
+        // before building anything, so a crowd of reconnecting proxies is
+        // served a few at a time instead of all holding large responses.
+        let large = self.snap.addresses.by_name.len() >= LARGE_RESPONSE;
+        let result = match if large {
+            self.reserve_full_sync().await
+        } else {
+            Ok(())
+        } {
+            Ok(()) => self.serve(&mut requests, &mut snapshots).await,
+            Err(e) => Err(e),
+        };
+        match result {
             Ok(()) => info!(proxy = %self.node_id, "delta xDS stream closed by the client"),
             Err(e) => info!(proxy = %self.node_id, "delta xDS stream ended: {e}"),
         }
@@ -333,6 +345,16 @@ impl DeltaStream {
                 self.subs.len() - 1
             }
         };
+        // A request for everything of a large type is a full sync: take a
+        // slot before building it, so a crowd of reconnecting proxies is
+        // served a few at a time instead of all holding large responses.
+        let wants_all = req.resource_names_subscribe.is_empty()
+            || req.resource_names_subscribe.iter().any(|n| n == "*");
+        let large =
+            resources(&self.snap, type_url).is_some_and(|set| set.by_name.len() >= LARGE_RESPONSE);
+        if wants_all && large && (!self.subs[idx].answered || !self.subs[idx].wildcard) {
+            self.reserve_full_sync().await?;
+        }
         let Some(set) = resources(&self.snap, type_url) else {
             return Ok(());
         };
@@ -463,6 +485,25 @@ impl DeltaStream {
         });
     }
 
+    /// Waits for a full-sync slot (our own previous one is released first).
+    /// It is tied to the next response sent and freed by its ACK.
+    async fn reserve_full_sync(&mut self) -> Result<(), StreamEnd> {
+        self.sync_slot = None;
+        let permit = self
+            .shared
+            .full_syncs
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| StreamEnd::ModelStopped)?;
+        self.sync_slot = Some(SyncSlot {
+            nonce: String::new(), // the last chunk's nonce, once sent
+            deadline: tokio::time::Instant::now() + FULL_SYNC_SLOT_TIMEOUT,
+            _permit: permit,
+        });
+        Ok(())
+    }
+
     /// Sends `changes` as one response, or as several of at most
     /// [`CHUNK`] resources when large: tonic keeps a stream's encode buffer
     /// at the size of the largest message it ever sent, so one 2 MB full
@@ -476,21 +517,9 @@ impl DeltaStream {
             mut resources,
             removed,
         } = changes;
-        if resources.len() >= LARGE_RESPONSE {
-            // Wait for a full-sync slot; our own previous one is released first.
-            self.sync_slot = None;
-            let permit = self
-                .shared
-                .full_syncs
-                .clone()
-                .acquire_owned()
-                .await
-                .map_err(|_| StreamEnd::ModelStopped)?;
-            self.sync_slot = Some(SyncSlot {
-                nonce: String::new(), // set to the last chunk's nonce below
-                deadline: tokio::time::Instant::now() + FULL_SYNC_SLOT_TIMEOUT,
-                _permit: permit,
-            });
+        let reserved = self.sync_slot.as_ref().is_some_and(|s| s.nonce.is_empty());
+        if resources.len() >= LARGE_RESPONSE && !reserved {
+            self.reserve_full_sync().await?;
         }
         let labels = vec![("type", type_label(type_url))];
         let bytes: usize = resources

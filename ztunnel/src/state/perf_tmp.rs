@@ -78,9 +78,7 @@ fn perf_tmp() {
     let mut writer_keep = None;
     for _ in 0..7 {
         let svcs: Vec<_> = (0..S).map(|i| (svc_key(i), mk_service(i))).collect();
-        let wls: Vec<_> = (0..W)
-            .map(|i| (wname(i), mk_workload(i, 0, 8080)))
-            .collect();
+        let wls: Vec<_> = (0..W).map(|i| (wname(i), mk_workload(i, 0, 8080))).collect();
         let (mut writer, reader) = new_state();
         let t = Instant::now();
         let mut next = writer.begin();
@@ -95,18 +93,12 @@ fn perf_tmp() {
         assert_eq!(reader.load().workload_count(), W as usize);
         writer_keep = Some((writer, reader));
     }
-    println!(
-        "bulk 10k workloads + 1k services (median of 7): {:?}  all: {:?}",
-        median(bulk_times.clone()),
-        bulk_times
-    );
+    println!("bulk 10k workloads + 1k services (median of 7): {:?}  all: {:?}", median(bulk_times.clone()), bulk_times);
     let (mut writer, reader) = writer_keep.unwrap();
 
     // Single-workload update (new IP, same services) + publish.
     let n = 2000u32;
-    let inputs: Vec<_> = (0..n)
-        .map(|i| (wname(i * 5), mk_workload(i * 5, 1_000_000, 8080)))
-        .collect();
+    let inputs: Vec<_> = (0..n).map(|i| (wname(i * 5), mk_workload(i * 5, 1_000_000, 8080))).collect();
     let mut times = Vec::with_capacity(n as usize);
     let t_all = Instant::now();
     for (name, a) in inputs {
@@ -118,16 +110,10 @@ fn perf_tmp() {
         times.push(t.elapsed());
     }
     let total = t_all.elapsed();
-    println!(
-        "single-workload update+publish (IP change): median {:?}, mean {:?}",
-        median(times.clone()),
-        total / n
-    );
+    println!("single-workload update+publish (IP change): median {:?}, mean {:?}", median(times.clone()), total / n);
 
     // Single-workload update that moves an endpoint between services.
-    let inputs: Vec<_> = (0..n)
-        .map(|i| (wname(i * 5 + 1), mk_workload(i * 5 + 1, 0, 9090)))
-        .collect();
+    let inputs: Vec<_> = (0..n).map(|i| (wname(i * 5 + 1), mk_workload(i * 5 + 1, 0, 9090))).collect();
     let mut times = Vec::with_capacity(n as usize);
     for (name, a) in inputs {
         let _held = reader.load();
@@ -137,10 +123,7 @@ fn perf_tmp() {
         writer.publish(next);
         times.push(t.elapsed());
     }
-    println!(
-        "single-workload update+publish (endpoint port change): median {:?}",
-        median(times)
-    );
+    println!("single-workload update+publish (endpoint port change): median {:?}", median(times));
 
     // Remove + re-add one workload.
     let mut times = Vec::new();
@@ -156,10 +139,7 @@ fn perf_tmp() {
         writer.publish(next);
         times.push(t.elapsed() / 2);
     }
-    println!(
-        "single-workload remove or add + publish: median {:?}",
-        median(times)
-    );
+    println!("single-workload remove or add + publish: median {:?}", median(times));
 
     // Lookups.
     let snap = reader.load();
@@ -170,34 +150,31 @@ fn perf_tmp() {
             hits += 1;
         }
     }
-    println!(
-        "workload_by_uid x10k (incl. key format): {:?} hits={hits}",
-        t.elapsed()
-    );
+    println!("workload_by_uid x10k (incl. key format): {:?} hits={hits}", t.elapsed());
     let t = Instant::now();
     let rv = snap.resource_versions(ResourceType::Address);
-    println!(
-        "resource_versions (reconnect) {} entries: {:?}",
-        rv.len(),
-        t.elapsed()
-    );
+    println!("resource_versions (reconnect) {} entries: {:?}", rv.len(), t.elapsed());
     assert_eq!(rv.len(), (W + S) as usize);
+}
+
+fn cpu_ns() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(0)
 }
 
 #[test]
 #[ignore]
 fn perf_tmp_bulk() {
-    let iters: usize = std::env::var("BULK_ITERS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(25);
+    let iters: usize = std::env::var("BULK_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(25);
     let mut times = Vec::new();
+    let mut cpu = Vec::new();
     for _ in 0..iters {
         let svcs: Vec<_> = (0..S).map(|i| (svc_key(i), mk_service(i))).collect();
-        let wls: Vec<_> = (0..W)
-            .map(|i| (wname(i), mk_workload(i, 0, 8080)))
-            .collect();
+        let wls: Vec<_> = (0..W).map(|i| (wname(i), mk_workload(i, 0, 8080))).collect();
         let (mut writer, reader) = new_state();
+        let c = cpu_ns();
         let t = Instant::now();
         let mut next = writer.begin();
         for (n, a) in svcs {
@@ -208,15 +185,80 @@ fn perf_tmp_bulk() {
         }
         writer.publish(next);
         times.push(t.elapsed());
+        cpu.push(Duration::from_nanos(cpu_ns() - c));
         assert_eq!(reader.load().workload_count(), W as usize);
         drop((writer, reader));
     }
-    let mut sorted = times.clone();
-    sorted.sort();
-    println!(
-        "bulk x{iters}: min {:?} median {:?} max {:?}",
-        sorted[0],
-        sorted[sorted.len() / 2],
-        sorted[sorted.len() - 1]
-    );
+    times.sort();
+    cpu.sort();
+    println!("bulk x{iters}: wall min {:?} median {:?}; cpu min {:?} median {:?}", times[0], times[times.len() / 2], cpu[0], cpu[cpu.len() / 2]);
+}
+
+#[test]
+#[ignore]
+fn perf_tmp_update() {
+    let svcs: Vec<_> = (0..S).map(|i| (svc_key(i), mk_service(i))).collect();
+    let wls: Vec<_> = (0..W).map(|i| (wname(i), mk_workload(i, 0, 8080))).collect();
+    let (mut writer, reader) = new_state();
+    let mut next = writer.begin();
+    for (n, a) in svcs {
+        next.apply_address(&n, "v1", a);
+    }
+    for (n, a) in wls {
+        next.apply_address(&n, "v1", a);
+    }
+    writer.publish(next);
+    let n = 3000u32;
+    let inputs: Vec<_> = (0..n).map(|i| (wname(i * 3), mk_workload(i * 3, 1_000_000, 8080))).collect();
+    let mut wall = Vec::new();
+    let mut cpu = Vec::new();
+    for (name, a) in inputs {
+        let _held = reader.load();
+        let c = cpu_ns();
+        let t = Instant::now();
+        let mut next = writer.begin();
+        next.apply_address(&name, "v2", a);
+        writer.publish(next);
+        wall.push(t.elapsed());
+        cpu.push(cpu_ns() - c);
+    }
+    wall.sort();
+    cpu.sort();
+    let mean_cpu = cpu.iter().sum::<u64>() / cpu.len() as u64;
+    println!("update x{n}: wall median {:?} p90 {:?}; cpu median {:?} mean {:?}", wall[wall.len() / 2], wall[wall.len() * 9 / 10], Duration::from_nanos(cpu[cpu.len() / 2]), Duration::from_nanos(mean_cpu));
+}
+
+#[test]
+#[ignore]
+fn perf_tmp_micro() {
+    let keys: Vec<Arc<str>> = (0..10_000u32).map(|i| Arc::from(wname(i))).collect();
+    for round in 0..5 {
+        let t = Instant::now();
+        let mut m: ShardedMap<Arc<str>, u32> = ShardedMap::new();
+        for (i, k) in keys.iter().enumerate() {
+            m.insert(k.clone(), i as u32);
+        }
+        let sharded = t.elapsed();
+        let t = Instant::now();
+        let mut h: Arc<HashMap<Arc<str>, u32>> = Arc::default();
+        for (i, k) in keys.iter().enumerate() {
+            Arc::make_mut(&mut h).insert(k.clone(), i as u32);
+        }
+        let plain = t.elapsed();
+        let t = Instant::now();
+        let mut hits = 0;
+        for k in &keys {
+            hits += m.get(&**k).is_some() as usize;
+        }
+        let sget = t.elapsed();
+        let t = Instant::now();
+        for k in &keys {
+            hits += h.get(&**k).is_some() as usize;
+        }
+        let pget = t.elapsed();
+        println!(
+            "round {round}: insert 10k sharded {sharded:?} plain {plain:?}; get sharded {sget:?} plain {pget:?} {hits}"
+        );
+        drop((m, h));
+    }
 }

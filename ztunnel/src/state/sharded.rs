@@ -31,11 +31,13 @@ use std::hash::{BuildHasher, Hash, RandomState};
 use std::sync::Arc;
 
 /// Shards of a new map.
-const MIN_SHARDS: usize = 8;
-/// Shards never exceed this (≈ 33 million entries before it binds).
+const MIN_SHARDS: usize = 16;
+/// Shards never exceed this (≈ 67 million entries before it binds).
 const MAX_SHARDS: usize = 4096;
-/// Double the shards once `len` reaches `GROWTH * shards²`.
-const GROWTH: usize = 2;
+/// Grow once `len` reaches `GROWTH_AT * shards²` ...
+const GROWTH_AT: usize = 4;
+/// ... to this many times the shards.
+const GROWTH_FACTOR: usize = 4;
 /// The shard index comes from the hash bits starting here; hashbrown uses
 /// the low bits (bucket) and the top 7 bits (tag) inside each shard.
 const SHARD_BITS_SHIFT: u32 = 32;
@@ -189,8 +191,8 @@ impl<K: Hash + Eq + Clone, V: Clone> ShardedMap<K, V> {
     /// every insertion.
     fn grow_if_needed(&mut self) {
         let n = self.shards.len();
-        if n < MAX_SHARDS && self.len >= GROWTH * n * n {
-            self.reshard(n * 2);
+        if n < MAX_SHARDS && self.len >= GROWTH_AT * n * n {
+            self.reshard((n * GROWTH_FACTOR).min(MAX_SHARDS));
         }
     }
 
