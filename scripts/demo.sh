@@ -36,24 +36,27 @@ echo "==> the mesh as ztunnel on node-1 sees it (GET 127.0.0.1:15000/config_dump
 curl -fsS http://127.0.0.1:15000/config_dump | python3 -c '
 import json, sys
 d = json.load(sys.stdin)
-print(f"{"WORKLOAD":40} {"IPS":28} {"PROTOCOL":8} {"IDENTITY"}")
+row = "%-36s %-28s %-8s %s"
+print(row % ("WORKLOAD", "IPS", "PROTOCOL", "IDENTITY"))
 for w in sorted(d["workloads"], key=lambda w: w["uid"]):
-    ident = f"spiffe://{w.get("trustDomain") or "cluster.local"}/ns/{w["namespace"]}/sa/{w.get("serviceAccount") or "default"}"
-    print(f"{w["namespace"]+"/"+w["name"]:40} {",".join(w.get("workloadIps", [])):28} {w.get("protocol",""):8} {ident}")
+    ident = "spiffe://%s/ns/%s/sa/%s" % (w.get("trustDomain") or "cluster.local", w["namespace"], w.get("serviceAccount") or "default")
+    print(row % (w["namespace"] + "/" + w["name"], ",".join(w.get("workloadIps", [])), w.get("protocol", ""), ident))
 print()
-print(f"{"SERVICE":52} {"VIPS":26} {"PORTS":16} ENDPOINTS")
+row = "%-56s %-16s %-12s %s"
+print(row % ("SERVICE", "VIPS", "PORTS", "ENDPOINTS"))
 for s in sorted(d["services"], key=lambda s: s["hostname"]):
-    ports = ",".join(f"{k}->{v}" for k, v in s.get("ports", {}).items())
-    print(f"{s["namespace"]+"/"+s["hostname"]:52} {",".join(s.get("vips", [])):26} {ports:16} {len(s.get("endpoints", {}))}")
+    ports = ",".join("%s->%s" % (k, v or "pod") for k, v in s.get("ports", {}).items())
+    print(row % (s["namespace"] + "/" + s["hostname"], ",".join(s.get("vips", [])), ports, len(s.get("endpoints", {}))))
 print()
-print(f"policies: {len(d["policies"])}")
+print("authorization policies: %d" % len(d["policies"]))
 '
 echo
 echo "xDS clients seen by the control plane (GET 127.0.0.1:15014/debug/connections):"
 curl -fsS http://127.0.0.1:15014/debug/connections | python3 -c '
 import json, sys
 for p in json.load(sys.stdin):
-    print("  ", p["node_id"], {t.rsplit(".",1)[-1]: s["resources_held"] for t, s in p["types"].items()})
+    held = ", ".join("%s=%d" % (t.rsplit(".", 1)[-1], s["resources_held"]) for t, s in p["types"].items())
+    print("   %s  holds %s" % (p["node_id"], held))
 '
 echo
 echo "Logs: $state. Try editing a file in $dir while running with --keep."

@@ -6,6 +6,7 @@
 //! shares it) and later changes to it within the same batch copy nothing.
 //! Removing something absent copies nothing at all.
 
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use super::{
@@ -49,7 +50,7 @@ impl StateSnapshot {
 
     /// Drops `ip` of workload `old` from the address index, unless another
     /// workload has taken the address over since.
-    fn drop_workload_addr(&mut self, old: &Workload, ip: std::net::IpAddr) {
+    fn drop_workload_addr(&mut self, old: &Workload, ip: IpAddr) {
         let key = NetworkAddress::new(old.network.clone(), ip);
         if self
             .workloads_by_addr
@@ -206,7 +207,7 @@ impl StateSnapshot {
         let previous = self.resources_mut(ty).insert(
             Arc::from(name),
             XdsEntry {
-                version: version.to_string(),
+                version: Arc::from(version),
                 key: key.clone(),
             },
         );

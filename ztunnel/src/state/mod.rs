@@ -15,8 +15,6 @@ mod sharded;
 mod types;
 
 #[cfg(test)]
-mod perf_tmp;
-#[cfg(test)]
 mod tests;
 
 use std::collections::HashMap;
@@ -130,8 +128,9 @@ pub enum ResourceKey {
 /// What the state remembers about one xDS resource it holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct XdsEntry {
-    /// The version the server gave it.
-    pub version: String,
+    /// The version the server gave it (shared, so copying a shard of the
+    /// resource index allocates nothing per entry).
+    pub version: Arc<str>,
     /// What it became in the indexes.
     pub key: ResourceKey,
 }
@@ -271,7 +270,7 @@ impl StateSnapshot {
         versions.extend(
             resources
                 .iter()
-                .map(|(name, e)| (name.to_string(), e.version.clone())),
+                .map(|(name, e)| (name.to_string(), e.version.to_string())),
         );
         versions
     }
