@@ -255,18 +255,7 @@ impl DeltaStream {
             types: Default::default(),
         });
         debug!("delta xDS stream opened");
-        // A new stream almost always starts with a full sync: take its slot
-        // before building anything, so a crowd of reconnecting proxies is
-        // served a few at a time instead of all holding large responses.
-        let large = self.snap.addresses.by_name.len() >= LARGE_RESPONSE;
-        let result = match if large {
-            self.reserve_full_sync().await
-        } else {
-            Ok(())
-        } {
-            Ok(()) => self.serve(&mut requests, &mut snapshots).await,
-            Err(e) => Err(e),
-        };
+        let result = self.serve(&mut requests, &mut snapshots).await;
         match result {
             Ok(()) => info!(proxy = %self.node_id, "delta xDS stream closed by the client"),
             Err(e) => info!(proxy = %self.node_id, "delta xDS stream ended: {e}"),
@@ -363,8 +352,7 @@ impl DeltaStream {
         let was_wildcard = sub.wildcard;
         if first {
             sub.answered = true;
-            sub.wildcard = req.resource_names_subscribe.is_empty()
-                || req.resource_names_subscribe.iter().any(|n| n == "*");
+            sub.wildcard = wants_all;
         }
         let mut changed = first;
         let mut new_names = Vec::new();
