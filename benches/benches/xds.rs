@@ -341,6 +341,7 @@ fn main() -> Result<()> {
         // 3b. 100 ztunnels connect at once; time until all hold everything.
         let t = Instant::now();
         let cpu0 = cpu_secs(pid);
+        let own0 = cpu_secs(std::process::id());
         let starts = (0..clients).map(|i| {
             ambit_ztunnel::start(
                 ambit_ztunnel::Config::new(format!("node-{i}"), format!("http://{xds}"))
@@ -362,9 +363,10 @@ fn main() -> Result<()> {
             }
         }
         println!(
-            "full sync of {clients} ztunnels (connect to all holding {pods} workloads + {services} services): {} (control plane CPU {:.2} s)",
+            "full sync of {clients} ztunnels (connect to all holding {pods} workloads + {services} services): {} (control plane CPU {:.2} s, ztunnel CPU {:.0} ms each)",
             ms(sync),
-            cpu_secs(pid) - cpu0
+            cpu_secs(pid) - cpu0,
+            (cpu_secs(std::process::id()) - own0) * 1e3 / clients as f64
         );
         let (rss, hwm) = rss_kib(pid);
         println!(
