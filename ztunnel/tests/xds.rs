@@ -574,3 +574,47 @@ async fn a_hundred_ztunnels_in_one_process() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn chunked_sync_is_published_whole_and_ready_only_at_the_last_chunk() {
+    let mut server = TestServer::start().await;
+    let zt = ambit_ztunnel::start(config(&server, "node-c"))
+        .await
+        .unwrap();
+    let mut s = server.next_stream().await;
+    s.initial_requests().await;
+    s.send(response(AUTHZ, "a1", vec![], &[]));
+    assert_eq!(s.next_request().await.response_nonce, "a1");
+    let partial = format!("7{}", ambit_proto::PARTIAL_RESPONSE_MARKER);
+    let mut first = response(
+        ADDRESS,
+        "c1",
+        vec![workload_res("w1", vec![10, 0, 0, 1], "v1")],
+        &[],
+    );
+    first.system_version_info = partial.clone();
+    s.send(first);
+    // The partial chunk is ACKed but neither published nor counted as sync.
+    let ack = s.next_request().await;
+    assert_eq!(ack.response_nonce, "c1");
+    assert!(ack.error_detail.is_none());
+    assert!(!zt.is_ready());
+    assert_eq!(zt.state().workload_count(), 0);
+
+    let mut last = response(
+        ADDRESS,
+        "c2",
+        vec![
+            workload_res("w2", vec![10, 0, 0, 2], "v1"),
+            service_res("v1"),
+        ],
+        &[],
+    );
+    last.system_version_info = "7".into();
+    s.send(last);
+    within("ready after the last chunk", zt.wait_ready()).await;
+    let state = zt.state();
+    assert_eq!(state.workload_count(), 2);
+    assert!(state.workload_by_uid("w1").is_some() && state.workload_by_uid("w2").is_some());
+    zt.shutdown().await;
+}

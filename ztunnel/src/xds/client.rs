@@ -32,7 +32,7 @@ use super::{WILDCARD, XdsError, XdsHandle, handler};
 use crate::config::Config;
 use crate::drain::DrainWatcher;
 use crate::metrics::{Metrics, TerminationReason, UrlLabel};
-use crate::state::{ResourceType, StateWriter};
+use crate::state::{ResourceType, StateSnapshot, StateWriter};
 
 /// Largest response accepted: a full Address sync of a big mesh is tens of
 /// MiB, far beyond tonic's 4 MiB default.
@@ -125,6 +125,10 @@ pub struct XdsClient {
     established: bool,
     /// The current stream delivered at least one response.
     received: bool,
+    /// Chunks of a full sync received so far (`+partial` responses), applied
+    /// to a private copy and published once with the last chunk: readers
+    /// never see half a sync, and the indexes are copied once, not per chunk.
+    pending: Option<StateSnapshot>,
 }
 
 impl XdsClient {
@@ -161,6 +165,7 @@ impl XdsClient {
             connection: 0,
             established: false,
             received: false,
+            pending: None,
         };
         Ok((client, XdsHandle { on_demand: tx }))
     }
@@ -206,6 +211,9 @@ impl XdsClient {
     async fn run_stream(&mut self) -> XdsError {
         self.established = false;
         self.received = false;
+        // A sync cut short by the old stream is redone by the new one, which
+        // starts from the published state's resource versions.
+        self.pending = None;
         match self.serve_stream().await {
             Ok(never) => match never {},
             Err(e) => e,
@@ -313,16 +321,22 @@ impl XdsClient {
             .get_or_create(&url)
             .inc_by(resp.encoded_len() as u64);
 
-        let mut next = self.writer.begin();
+        let partial = resp
+            .system_version_info
+            .ends_with(ambit_proto::PARTIAL_RESPONSE_MARKER);
+        let mut next = self.pending.take().unwrap_or_else(|| self.writer.begin());
         let handled = handler::handle_response(&mut next, resp);
-        let snapshot = self.writer.publish(next);
-
         if handled.is_nack() {
             xm.nacks_sent.get_or_create(&url).inc();
             for e in &handled.errors {
                 warn!(type_url = %resp.type_url, nonce = %resp.nonce, error = %e, "rejecting xDS resource");
             }
         }
+        if partial {
+            self.pending = Some(next);
+            return handled.reply;
+        }
+        let snapshot = self.writer.publish(next);
         debug!(
             type_url = %resp.type_url,
             nonce = %resp.nonce,
@@ -336,13 +350,7 @@ impl XdsClient {
             xm.resources
                 .get_or_create(&url)
                 .set(snapshot.xds_resources(ty).len() as i64);
-            // A chunked full sync is complete only at its last chunk.
-            if !resp
-                .system_version_info
-                .ends_with(ambit_proto::PARTIAL_RESPONSE_MARKER)
-            {
-                self.mark_synced(ty);
-            }
+            self.mark_synced(ty);
         }
         handled.reply
     }
