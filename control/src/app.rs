@@ -17,6 +17,10 @@ use tokio::task::JoinHandle;
 use tokio_stream::wrappers::TcpListenerStream;
 use tracing::{info, warn};
 
+use crate::ca::{
+    CaError, CaMetrics, CaService, CaServiceOptions, CaStore, NodeTokenFile, SignerOptions,
+    SnapshotPodLocator, TokenAuthenticator, TokenReview,
+};
 use crate::config::ControlConfig;
 use crate::debug::DebugState;
 use crate::model::snapshot::Snapshot;
@@ -36,6 +40,8 @@ pub enum AppError {
     Source(#[from] FileSourceError),
     #[error("the mesh model stopped before delivering its first snapshot")]
     ModelStopped,
+    #[error("cannot set up the certificate authority: {0}")]
+    Ca(#[from] CaError),
 }
 
 /// A running control plane.
@@ -89,6 +95,7 @@ impl ControlPlane {
 
         tasks.push(tokio::spawn(model_metrics.run(snapshots.clone())));
 
+        let ca = build_ca(&cfg, snapshots.clone(), CaMetrics::register(&mut registry))?;
         let xds = XdsServer::new(snapshots.clone(), proxies.clone(), xds_metrics);
         let mut stop = shutdown_rx.clone();
         tasks.push(tokio::spawn(async move {
@@ -98,6 +105,7 @@ impl ControlPlane {
                 .initial_connection_window_size(Some(16 << 20))
                 .initial_stream_window_size(Some(8 << 20))
                 .add_service(xds.into_service())
+                .add_service(ca.into_server())
                 .serve_with_incoming_shutdown(TcpListenerStream::new(xds_listener), async move {
                     let _ = stop.wait_for(|s| *s).await;
                 })
@@ -161,6 +169,35 @@ impl ControlPlane {
             let _ = t.await;
         }
     }
+}
+
+/// The CA served next to xDS: the persisted (or plugged-in) root, node
+/// tokens in local mode, pod placement from the model's snapshots.
+fn build_ca(
+    cfg: &ControlConfig,
+    snapshots: watch::Receiver<Arc<Snapshot>>,
+    metrics: CaMetrics,
+) -> Result<CaService, AppError> {
+    let store = CaStore::load_or_create(&cfg.data_dir.join("ca"), cfg.ca_dir.as_deref())?;
+    let authenticator: Arc<dyn TokenAuthenticator> = match &cfg.node_tokens_file {
+        Some(path) => Arc::new(NodeTokenFile::new(path)),
+        None => Arc::new(TokenReview),
+    };
+    let opts = CaServiceOptions {
+        signer: SignerOptions {
+            trust_domain: cfg.trust_domain.clone(),
+            max_ttl: Duration::from_secs(cfg.max_cert_ttl_secs),
+            ..SignerOptions::default()
+        },
+        ..CaServiceOptions::default()
+    };
+    Ok(CaService::new(
+        Arc::new(store),
+        opts,
+        authenticator,
+        Arc::new(SnapshotPodLocator::new(snapshots)),
+        metrics,
+    ))
 }
 
 /// Metrics about the model itself.

@@ -49,6 +49,22 @@ pub struct ControlConfig {
     /// Longest time a burst of config changes is held back before one push.
     #[arg(long, env = "DEBOUNCE_MAX_MS", default_value_t = 100)]
     pub debounce_max_ms: u64,
+
+    /// Plugged-in CA directory with Istio's file names (`ca-cert.pem`,
+    /// `ca-key.pem`, `root-cert.pem`, `cert-chain.pem`). Without it a root is
+    /// generated on first start and kept under `<data-dir>/ca`.
+    #[arg(long, env = "CA_DIR")]
+    pub ca_dir: Option<PathBuf>,
+
+    /// Local mode: file of per-node bootstrap tokens, one `<token> <node-name>`
+    /// per line. Without it (and without Kubernetes) certificate requests are
+    /// refused as unauthenticated.
+    #[arg(long, env = "NODE_TOKENS_FILE")]
+    pub node_tokens_file: Option<PathBuf>,
+
+    /// Longest certificate lifetime issued, in seconds (longer requests are capped).
+    #[arg(long, env = "MAX_CERT_TTL_SECS", default_value_t = 24 * 3600)]
+    pub max_cert_ttl_secs: u64,
 }
 
 impl ControlConfig {
@@ -64,6 +80,9 @@ impl ControlConfig {
             cluster_id: "Kubernetes".into(),
             network: String::new(),
             debounce_max_ms: 100,
+            ca_dir: None,
+            node_tokens_file: None,
+            max_cert_ttl_secs: 24 * 3600,
         }
     }
 

@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 pub mod app;
+pub mod ca;
 pub mod config;
 pub mod debug;
 pub mod http;

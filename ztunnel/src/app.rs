@@ -4,6 +4,7 @@
 //! Nothing here is global: each ztunnel has its own metrics registry,
 //! state and tasks, so tests and benchmarks can run many in one process.
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,9 +15,10 @@ use tracing::{Instrument, info, info_span, warn};
 
 use crate::admin::{self, AdminContext, AdminError, Listener, LogControl};
 use crate::config::Config;
-use crate::drain::{self, DRAIN_DEADLINE, DrainTrigger};
+use crate::drain::{self, DRAIN_DEADLINE, DrainTrigger, DrainWatcher};
+use crate::identity::{CertificateManager, Identity, IdentityError};
 use crate::metrics::Metrics;
-use crate::state::{StateReader, StateSnapshot, new_state};
+use crate::state::{StateReader, StateSnapshot, TunnelProtocol, new_state};
 use crate::xds::{XdsClient, XdsClientConfig, XdsError, XdsHandle};
 
 /// Errors of starting a ztunnel.
@@ -28,6 +30,9 @@ pub enum AppError {
     /// A listener could not be bound.
     #[error(transparent)]
     Admin(#[from] AdminError),
+    /// The certificate manager could not be set up (bad CA address, root file).
+    #[error(transparent)]
+    Identity(#[from] IdentityError),
 }
 
 /// Optional extras for [`start_with`].
@@ -50,6 +55,7 @@ pub struct Ztunnel {
     quit: watch::Receiver<bool>,
     metrics: Arc<Metrics>,
     xds: XdsHandle,
+    certificates: CertificateManager,
     drain: DrainTrigger,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -64,7 +70,10 @@ pub async fn start(config: Config) -> Result<Ztunnel, AppError> {
 /// Returns once everything is listening; use [`Ztunnel::wait_ready`] to
 /// wait for the first xDS sync.
 pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel, AppError> {
-    let metrics = Arc::new(Metrics::new());
+    let certificates = CertificateManager::from_config(&config)?;
+    let mut metrics = Metrics::new();
+    certificates.register_metrics(metrics.registry_mut());
+    let metrics = Arc::new(metrics);
     let (writer, reader) = new_state();
     let (ready_tx, ready_rx) = watch::channel(false);
     let (xds_client, xds) = XdsClient::new(
@@ -93,11 +102,22 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
         ready: ready_rx.clone(),
         log: options.log_control,
         quit: quit_tx,
+        certificates: Some(certificates.clone()),
     });
+    let certificates_handle = certificates.clone();
 
     let span = info_span!("ztunnel", node = %config.node_name);
     let tasks = vec![
         tokio::spawn(xds_client.run(watcher.clone()).instrument(span.clone())),
+        tokio::spawn(
+            track_local_identities(
+                reader.clone(),
+                certificates,
+                config.node_name.clone(),
+                watcher.clone(),
+            )
+            .instrument(span.clone()),
+        ),
         tokio::spawn(
             admin::serve(admin_tcp, Listener::Admin, ctx.clone(), watcher.clone())
                 .instrument(span.clone()),
@@ -130,6 +150,7 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
         quit: quit_rx,
         metrics,
         xds,
+        certificates: certificates_handle,
         drain,
         tasks,
     })
@@ -187,6 +208,11 @@ impl Ztunnel {
         &self.metrics
     }
 
+    /// The certificate manager of this node's workloads.
+    pub fn certificates(&self) -> &CertificateManager {
+        &self.certificates
+    }
+
     /// Handle for on-demand xDS requests.
     pub fn xds(&self) -> &XdsHandle {
         &self.xds
@@ -215,3 +241,48 @@ impl Ztunnel {
         info!(node = %self.node_name, "ztunnel stopped");
     }
 }
+
+/// Keeps a certificate prefetched for every identity of an enrolled (HBONE)
+/// workload on this node, and forgets identities whose last workload left.
+async fn track_local_identities(
+    state: StateReader,
+    certificates: CertificateManager,
+    node: String,
+    drain: DrainWatcher,
+) {
+    let mut generation = state.generation();
+    let mut held: HashSet<Identity> = HashSet::new();
+    loop {
+        let snap = state.load();
+        let wanted: HashSet<Identity> = snap
+            .workloads()
+            .filter(|w| w.node == node && w.protocol == TunnelProtocol::Hbone)
+            .map(|w| {
+                let td = if w.trust_domain.is_empty() {
+                    DEFAULT_TRUST_DOMAIN
+                } else {
+                    &w.trust_domain
+                };
+                let sa = if w.service_account.is_empty() {
+                    "default"
+                } else {
+                    &w.service_account
+                };
+                Identity::new(td, &w.namespace, sa)
+            })
+            .collect();
+        drop(snap);
+        certificates.prefetch(wanted.difference(&held).cloned());
+        for gone in held.difference(&wanted) {
+            certificates.forget(gone);
+        }
+        held = wanted;
+        tokio::select! {
+            changed = generation.changed() => if changed.is_err() { return },
+            _ = drain.signaled() => return,
+        }
+    }
+}
+
+/// Trust domain of workloads that do not name one.
+const DEFAULT_TRUST_DOMAIN: &str = "cluster.local";

@@ -27,8 +27,8 @@ pub struct Config {
     #[arg(long, env = "XDS_ADDRESS", default_value = DEFAULT_XDS_ADDRESS)]
     pub xds_address: String,
 
-    /// URL of the certificate authority; defaults to the xDS address.
-    /// Not used until the identity manager lands.
+    /// URL of the certificate authority (`IstioCertificateService`); defaults
+    /// to the xDS address. Plaintext h2c for now; TLS on 15012 comes later.
     #[arg(long, env = "CA_ADDRESS")]
     pub ca_address: Option<String>,
 
@@ -42,8 +42,8 @@ pub struct Config {
     #[arg(long, env = "TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
 
-    /// PEM file with the root certificate that signs the control plane's
-    /// serving certificate. Not used until TLS to the control plane lands.
+    /// PEM file with extra trusted root certificates (e.g. the mesh root, or
+    /// the next root during a rotation); added to the trust bundle.
     #[arg(long, env = "ROOT_CERT")]
     pub root_cert: Option<PathBuf>,
 

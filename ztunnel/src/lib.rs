@@ -12,6 +12,7 @@ pub mod admin;
 pub mod app;
 pub mod config;
 pub mod drain;
+pub mod identity;
 pub mod metrics;
 pub mod state;
 pub mod xds;

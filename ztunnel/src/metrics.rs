@@ -192,6 +192,12 @@ impl Metrics {
         Self { registry, xds }
     }
 
+    /// The registry, to register other components' metrics (before the
+    /// metrics are shared).
+    pub fn registry_mut(&mut self) -> &mut Registry {
+        &mut self.registry
+    }
+
     /// The registry as Prometheus text exposition format.
     pub fn encode(&self) -> Result<String, MetricsError> {
         let mut out = String::new();

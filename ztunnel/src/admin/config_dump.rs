@@ -10,6 +10,8 @@ use ambit_proto::security as xsec;
 use ambit_proto::workload as xds;
 use serde::Serialize;
 
+use crate::identity::CertificateDump;
+
 use crate::state::{
     Authorization, EndpointSet, GatewayAddress, GatewayDestination, HealthStatus, IpNet, Locality,
     PortMapping, RbacMatch, Service, StateSnapshot, StringMatch, TunnelProtocol, Workload,
@@ -21,8 +23,8 @@ pub struct ConfigDump<'a> {
     workloads: Vec<WorkloadDump<'a>>,
     services: Vec<ServiceDump<'a>>,
     policies: Vec<PolicyDump<'a>>,
-    /// Empty until the certificate manager lands.
-    certificates: Vec<serde_json::Value>,
+    /// One entry per identity the certificate manager holds or fetches.
+    certificates: Vec<CertificateDump>,
 }
 
 #[derive(Debug, Serialize)]
@@ -290,7 +292,7 @@ fn policy(p: &Authorization) -> PolicyDump<'_> {
 }
 
 /// The dump of `snapshot`, ready to serialize.
-pub fn config_dump(snapshot: &StateSnapshot) -> ConfigDump<'_> {
+pub fn config_dump(snapshot: &StateSnapshot, certificates: Vec<CertificateDump>) -> ConfigDump<'_> {
     let mut workloads: Vec<_> = snapshot.workloads().map(|w| workload(w)).collect();
     workloads.sort_by(|a, b| a.uid.cmp(b.uid));
 
@@ -314,6 +316,6 @@ pub fn config_dump(snapshot: &StateSnapshot) -> ConfigDump<'_> {
         workloads,
         services,
         policies,
-        certificates: Vec::new(),
+        certificates,
     }
 }

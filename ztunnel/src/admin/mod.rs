@@ -161,6 +161,8 @@ pub(crate) struct AdminContext {
     pub ready: watch::Receiver<bool>,
     pub log: Option<LogControl>,
     pub quit: watch::Sender<bool>,
+    /// Source of the `certificates` section of `/config_dump`.
+    pub certificates: Option<crate::identity::CertificateManager>,
 }
 
 type Body = Full<Bytes>;
@@ -237,7 +239,12 @@ pub(crate) fn route(
         (Listener::Admin, "/config_dump") => match *method {
             Method::GET => {
                 let snap = ctx.state.load();
-                match serde_json::to_vec_pretty(&config_dump(&snap)) {
+                let certs = ctx
+                    .certificates
+                    .as_ref()
+                    .map(|c| c.certificates())
+                    .unwrap_or_default();
+                match serde_json::to_vec_pretty(&config_dump(&snap, certs)) {
                     Ok(json) => with_type(
                         Response::new(Full::new(Bytes::from(json))),
                         "application/json",

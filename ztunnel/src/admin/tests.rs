@@ -107,6 +107,7 @@ fn context(ready: bool) -> (AdminContext, watch::Receiver<bool>) {
             ready: ready_rx,
             log: None,
             quit: quit_tx,
+            certificates: None,
         },
         quit_rx,
     )

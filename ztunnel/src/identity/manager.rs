@@ -1,0 +1,523 @@
+//! [`CertificateManager`]: fetches, caches and renews workload certificates.
+//!
+//! Ownership: the manager actor task is the only writer of the identity map
+//! (published as an `ArcSwap` view) and of the trust bundle (a watch
+//! channel); each identity's worker task is the only writer of that
+//! identity's slot (a watch channel). Readers only load/borrow, never wait
+//! on a lock, and no lock is held across an await.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use prometheus_client::registry::Registry;
+use rand::Rng;
+use rustls_pki_types::CertificateDer;
+use tokio::sync::{Semaphore, mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::ca_client::{CaClient, GrpcCaClient};
+use super::cert::{TrustBundle, WorkloadCertificate, generate_key_and_csr};
+use super::dump::CertificateDump;
+use super::metrics::{ExpiryCollector, IdentityMetrics};
+use super::{Identity, IdentityError};
+
+/// Settings of the certificate manager.
+#[derive(Debug, Clone)]
+pub struct IdentityConfig {
+    /// Lifetime requested from the CA (the CA may cap it). Default 24 h.
+    pub cert_ttl: Duration,
+    /// CA calls in flight at most, across all identities. Default 8.
+    pub max_concurrent_requests: usize,
+    /// Time allowed for one CA call. Default 10 s.
+    pub ca_request_timeout: Duration,
+    /// First retry delay after a failure. Default 500 ms.
+    pub backoff_initial: Duration,
+    /// Longest retry delay. Default 30 s.
+    pub backoff_max: Duration,
+    /// Extra trusted roots (`--root-cert`, PEM), always in the bundle.
+    pub root_cert: Option<PathBuf>,
+}
+
+impl Default for IdentityConfig {
+    fn default() -> Self {
+        Self {
+            cert_ttl: Duration::from_secs(24 * 3600),
+            max_concurrent_requests: 8,
+            ca_request_timeout: Duration::from_secs(10),
+            backoff_initial: Duration::from_millis(500),
+            backoff_max: Duration::from_secs(30),
+            root_cert: None,
+        }
+    }
+}
+
+impl IdentityConfig {
+    /// Defaults plus `--root-cert` from the ztunnel configuration.
+    pub fn from_config(config: &crate::config::Config) -> Self {
+        Self {
+            root_cert: config.root_cert.clone(),
+            ..Self::default()
+        }
+    }
+}
+
+/// Renewal never happens sooner than this after an issuance.
+const MIN_REFRESH: Duration = Duration::from_secs(1);
+
+/// One identity's state, written only by its worker.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Slot {
+    /// The newest certificate (possibly expired by now).
+    pub(crate) cert: Option<Arc<WorkloadCertificate>>,
+    /// The error of the last attempt, if it failed.
+    pub(crate) last_error: Option<String>,
+    /// Whether at least one attempt has finished.
+    pub(crate) attempted: bool,
+}
+
+impl Slot {
+    fn usable(&self) -> Option<&Arc<WorkloadCertificate>> {
+        self.cert.as_ref().filter(|c| c.is_valid())
+    }
+
+    fn unavailable_reason(&self) -> String {
+        match (&self.cert, &self.last_error) {
+            (_, Some(e)) => e.clone(),
+            (Some(_), None) => "the certificate expired".to_string(),
+            (None, None) => "no certificate yet".to_string(),
+        }
+    }
+
+    /// `Available`, `Initializing` or `Unavailable: <why>`.
+    pub(crate) fn state(&self) -> String {
+        if self.usable().is_some() {
+            "Available".to_string()
+        } else if !self.attempted {
+            "Initializing".to_string()
+        } else {
+            format!("Unavailable: {}", self.unavailable_reason())
+        }
+    }
+}
+
+/// The published identity map.
+pub(crate) type View = HashMap<Identity, watch::Receiver<Slot>>;
+
+enum Command {
+    /// Start managing `id` if not yet; reply with its slot.
+    Ensure {
+        id: Identity,
+        reply: Option<oneshot::Sender<watch::Receiver<Slot>>>,
+    },
+    /// Stop managing `id`.
+    Forget(Identity),
+    /// A worker got a new chain (with this root, if any).
+    Issued {
+        id: Identity,
+        generation: u64,
+        root: Option<CertificateDer<'static>>,
+    },
+}
+
+struct Shared {
+    ca: Arc<dyn CaClient>,
+    cfg: IdentityConfig,
+    permits: Semaphore,
+    metrics: IdentityMetrics,
+}
+
+/// Fetches, caches and renews the certificates of the workloads on this
+/// node. Cheap to clone; the background tasks stop when the last clone is
+/// dropped.
+#[derive(Clone)]
+pub struct CertificateManager {
+    commands: mpsc::UnboundedSender<Command>,
+    view: Arc<ArcSwap<View>>,
+    bundle: watch::Receiver<Arc<TrustBundle>>,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for CertificateManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CertificateManager")
+            .field("identities", &self.view.load().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl CertificateManager {
+    /// A manager signing through `ca`. Reads `config.root_cert` now (an
+    /// unreadable file is an error). Must be called inside a Tokio runtime:
+    /// it spawns the manager task.
+    pub fn new(config: IdentityConfig, ca: Arc<dyn CaClient>) -> Result<Self, IdentityError> {
+        let file_roots = match &config.root_cert {
+            Some(path) => TrustBundle::load_pem_file(path)?,
+            None => Vec::new(),
+        };
+        let permits = Semaphore::new(config.max_concurrent_requests.max(1));
+        let shared = Arc::new(Shared {
+            ca,
+            cfg: config,
+            permits,
+            metrics: IdentityMetrics::default(),
+        });
+        let view = Arc::new(ArcSwap::from_pointee(View::new()));
+        let (bundle_tx, bundle) = watch::channel(Arc::new(TrustBundle {
+            roots: file_roots.clone(),
+        }));
+        let (commands, rx) = mpsc::unbounded_channel();
+        let actor = Actor {
+            shared: shared.clone(),
+            rx,
+            weak: commands.downgrade(),
+            workers: HashMap::new(),
+            next_generation: 0,
+            view: view.clone(),
+            file_roots,
+            roots: HashMap::new(),
+            latest_root: None,
+            bundle_tx,
+        };
+        tokio::spawn(actor.run());
+        Ok(Self {
+            commands,
+            view,
+            bundle,
+            shared,
+        })
+    }
+
+    /// The production wiring: a [`GrpcCaClient`] towards
+    /// `config.effective_ca_address()` with `--token-file`, and
+    /// [`IdentityConfig::from_config`]. Must be called inside a Tokio runtime.
+    pub fn from_config(config: &crate::config::Config) -> Result<Self, IdentityError> {
+        let client = GrpcCaClient::new(config.effective_ca_address(), config.token_file.clone())
+            .map_err(IdentityError::CaClient)?;
+        Self::new(IdentityConfig::from_config(config), Arc::new(client))
+    }
+
+    /// A valid certificate for `id`: the cached one, or (on first need) a
+    /// freshly issued one. Concurrent calls for one identity share one CA
+    /// call. Fails fast with the last error when the CA failed and no
+    /// unexpired certificate is left (retries continue in the background).
+    pub async fn fetch(&self, id: &Identity) -> Result<Arc<WorkloadCertificate>, IdentityError> {
+        let existing = self.view.load().get(id).cloned();
+        let mut rx = match existing {
+            Some(rx) => rx,
+            None => {
+                let (reply, wait) = oneshot::channel();
+                self.commands
+                    .send(Command::Ensure {
+                        id: id.clone(),
+                        reply: Some(reply),
+                    })
+                    .map_err(|_| IdentityError::Shutdown)?;
+                wait.await.map_err(|_| IdentityError::Shutdown)?
+            }
+        };
+        loop {
+            {
+                let slot = rx.borrow_and_update();
+                if let Some(cert) = slot.usable() {
+                    return Ok(cert.clone());
+                }
+                if slot.attempted {
+                    return Err(IdentityError::Unavailable {
+                        identity: id.to_string(),
+                        reason: slot.unavailable_reason(),
+                    });
+                }
+            }
+            if rx.changed().await.is_err() {
+                return Err(IdentityError::Forgotten {
+                    identity: id.to_string(),
+                });
+            }
+        }
+    }
+
+    /// Starts fetching certificates for `ids` (the pods on this node) in the
+    /// background, without waiting.
+    pub fn prefetch(&self, ids: impl IntoIterator<Item = Identity>) {
+        for id in ids {
+            let _ = self.commands.send(Command::Ensure { id, reply: None });
+        }
+    }
+
+    /// Stops managing `id` (its last pod left the node): no more renewals;
+    /// waiting fetches fail with [`IdentityError::Forgotten`].
+    pub fn forget(&self, id: &Identity) {
+        let _ = self.commands.send(Command::Forget(id.clone()));
+    }
+
+    /// The identities currently managed, sorted.
+    pub fn identities(&self) -> Vec<Identity> {
+        let mut ids: Vec<Identity> = self.view.load().keys().cloned().collect();
+        ids.sort();
+        ids
+    }
+
+    /// The trust bundle, updated whenever a new root appears.
+    pub fn trust_bundle(&self) -> watch::Receiver<Arc<TrustBundle>> {
+        self.bundle.clone()
+    }
+
+    /// The `certificates` section of `/config_dump`, sorted by identity.
+    pub fn certificates(&self) -> Vec<CertificateDump> {
+        let view = self.view.load();
+        let mut out: Vec<CertificateDump> = view
+            .iter()
+            .map(|(id, rx)| {
+                let slot = rx.borrow().clone();
+                CertificateDump::new(id, &slot)
+            })
+            .collect();
+        out.sort_by(|a, b| a.identity.cmp(&b.identity));
+        out
+    }
+
+    /// The CA request metrics.
+    pub fn metrics(&self) -> &IdentityMetrics {
+        &self.shared.metrics
+    }
+
+    /// Registers `ztunnel_ca_requests_total`, `ztunnel_ca_request_duration_seconds`
+    /// and `ztunnel_certificate_expiry_seconds{identity}` in `registry`.
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        self.shared.metrics.register(registry);
+        registry.register_collector(Box::new(ExpiryCollector {
+            view: self.view.clone(),
+        }));
+    }
+}
+
+/// Aborts a worker task when dropped.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+struct Worker {
+    generation: u64,
+    slot: watch::Receiver<Slot>,
+    _task: AbortOnDrop,
+}
+
+/// The single writer of the identity map and the trust bundle.
+struct Actor {
+    shared: Arc<Shared>,
+    rx: mpsc::UnboundedReceiver<Command>,
+    /// Handed to workers; weak so the actor ends with the last manager handle.
+    weak: mpsc::WeakUnboundedSender<Command>,
+    workers: HashMap<Identity, Worker>,
+    next_generation: u64,
+    view: Arc<ArcSwap<View>>,
+    file_roots: Vec<CertificateDer<'static>>,
+    /// The root of each identity's current chain.
+    roots: HashMap<Identity, CertificateDer<'static>>,
+    /// The root of the newest chain of any identity (kept after forget).
+    latest_root: Option<CertificateDer<'static>>,
+    bundle_tx: watch::Sender<Arc<TrustBundle>>,
+}
+
+impl Actor {
+    async fn run(mut self) {
+        while let Some(cmd) = self.rx.recv().await {
+            match cmd {
+                Command::Ensure { id, reply } => {
+                    let slot = self.ensure(id);
+                    if let Some(reply) = reply {
+                        let _ = reply.send(slot);
+                    }
+                }
+                Command::Forget(id) => {
+                    if self.workers.remove(&id).is_some() {
+                        tracing::debug!(identity = %id, "no longer managing certificate");
+                        self.roots.remove(&id);
+                        self.publish_view();
+                        self.publish_bundle();
+                    }
+                }
+                Command::Issued {
+                    id,
+                    generation,
+                    root,
+                } => {
+                    let current = self.workers.get(&id).map(|w| w.generation);
+                    if current != Some(generation) {
+                        continue; // a forgotten worker's late message
+                    }
+                    match root {
+                        Some(root) => {
+                            self.latest_root = Some(root.clone());
+                            self.roots.insert(id, root);
+                        }
+                        None => {
+                            self.roots.remove(&id);
+                        }
+                    }
+                    self.publish_bundle();
+                }
+            }
+        }
+        // Last handle dropped: dropping `self.workers` aborts every worker.
+    }
+
+    fn ensure(&mut self, id: Identity) -> watch::Receiver<Slot> {
+        if let Some(w) = self.workers.get(&id) {
+            return w.slot.clone();
+        }
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        let (tx, slot) = watch::channel(Slot::default());
+        let task = tokio::spawn(run_worker(
+            self.shared.clone(),
+            id.clone(),
+            generation,
+            tx,
+            self.weak.clone(),
+        ));
+        self.workers.insert(
+            id,
+            Worker {
+                generation,
+                slot: slot.clone(),
+                _task: AbortOnDrop(task),
+            },
+        );
+        self.publish_view();
+        slot
+    }
+
+    fn publish_view(&self) {
+        let view: View = self
+            .workers
+            .iter()
+            .map(|(id, w)| (id.clone(), w.slot.clone()))
+            .collect();
+        self.view.store(Arc::new(view));
+    }
+
+    fn publish_bundle(&self) {
+        let mut extra: Vec<CertificateDer<'static>> = self
+            .roots
+            .values()
+            .chain(self.latest_root.iter())
+            .cloned()
+            .collect();
+        extra.sort_by(|a, b| a.as_ref().cmp(b.as_ref()));
+        extra.dedup();
+        let mut roots = self.file_roots.clone();
+        for root in extra {
+            if !roots.contains(&root) {
+                roots.push(root);
+            }
+        }
+        self.bundle_tx.send_if_modified(|bundle| {
+            if bundle.roots == roots {
+                false
+            } else {
+                tracing::info!(roots = roots.len(), "trust bundle changed");
+                *bundle = Arc::new(TrustBundle { roots });
+                true
+            }
+        });
+    }
+}
+
+/// `d` scaled by a random factor in [0.9, 1.1].
+fn jitter(d: Duration) -> Duration {
+    d.mul_f64(rand::rng().random_range(0.9..=1.1))
+}
+
+/// The single writer of one identity's slot: issue, renew, retry.
+async fn run_worker(
+    shared: Arc<Shared>,
+    id: Identity,
+    generation: u64,
+    tx: watch::Sender<Slot>,
+    actor: mpsc::WeakUnboundedSender<Command>,
+) {
+    let cfg = &shared.cfg;
+    let mut backoff = cfg.backoff_initial;
+    loop {
+        match issue(&shared, &id).await {
+            Ok(cert) => {
+                backoff = cfg.backoff_initial;
+                let refresh_in = jitter(cert.time_to_expiry() / 2).max(MIN_REFRESH);
+                tracing::info!(
+                    identity = %id,
+                    serial = %cert.serial_hex(),
+                    refresh_in_secs = refresh_in.as_secs(),
+                    "certificate issued"
+                );
+                let root = cert.root().cloned();
+                tx.send_replace(Slot {
+                    cert: Some(Arc::new(cert)),
+                    last_error: None,
+                    attempted: true,
+                });
+                if let Some(actor) = actor.upgrade() {
+                    let _ = actor.send(Command::Issued {
+                        id: id.clone(),
+                        generation,
+                        root,
+                    });
+                }
+                tokio::time::sleep(refresh_in).await;
+            }
+            Err(e) => {
+                let wait = jitter(backoff);
+                backoff = (backoff * 2).min(cfg.backoff_max);
+                let old_valid = tx.borrow().usable().is_some();
+                tracing::warn!(
+                    identity = %id,
+                    error = %e,
+                    retry_in_ms = wait.as_millis(),
+                    old_certificate_serving = old_valid,
+                    "certificate request failed"
+                );
+                tx.send_modify(|slot| {
+                    slot.last_error = Some(e.to_string());
+                    slot.attempted = true;
+                });
+                tokio::time::sleep(wait).await;
+            }
+        }
+    }
+}
+
+/// One issuance: key, CSR, CA call (bounded by the semaphore and the
+/// timeout), validation.
+async fn issue(shared: &Shared, id: &Identity) -> Result<WorkloadCertificate, IdentityError> {
+    let (key, csr) = generate_key_and_csr(id)?;
+    let permit = shared
+        .permits
+        .acquire()
+        .await
+        .map_err(|_| IdentityError::Shutdown)?;
+    let started = Instant::now();
+    let timeout = shared.cfg.ca_request_timeout;
+    let answer = tokio::time::timeout(timeout, shared.ca.sign(id, csr, shared.cfg.cert_ttl)).await;
+    drop(permit);
+    let result = match answer {
+        Err(_) => Err(IdentityError::CaTimeout {
+            identity: id.to_string(),
+            timeout_ms: timeout.as_millis(),
+        }),
+        Ok(Err(source)) => Err(IdentityError::Ca {
+            identity: id.to_string(),
+            source,
+        }),
+        Ok(Ok(chain)) => WorkloadCertificate::from_chain(id, &key, chain),
+    };
+    shared.metrics.record(result.is_ok(), started.elapsed());
+    result
+}
