@@ -47,6 +47,7 @@ pub enum AppError {
 /// A running control plane.
 pub struct ControlPlane {
     xds_addr: SocketAddr,
+    xds_tls_addr: SocketAddr,
     monitoring_addr: SocketAddr,
     snapshots: watch::Receiver<Arc<Snapshot>>,
     proxies: Arc<ProxyRegistry>,
@@ -75,8 +76,10 @@ impl ControlPlane {
     /// Returns once the first snapshot of the config is published.
     pub async fn start(cfg: ControlConfig) -> Result<Self, AppError> {
         let xds_listener = bind("xDS (plaintext gRPC)", cfg.xds_plaintext_addr).await?;
+        let tls_listener = bind("xDS + CA (TLS gRPC)", cfg.xds_tls_addr).await?;
         let mon_listener = bind("monitoring (HTTP)", cfg.monitoring_addr).await?;
         let xds_addr = local_addr("xDS", &xds_listener, cfg.xds_plaintext_addr)?;
+        let xds_tls_addr = local_addr("xDS TLS", &tls_listener, cfg.xds_tls_addr)?;
         let monitoring_addr = local_addr("monitoring", &mon_listener, cfg.monitoring_addr)?;
 
         let (model, mut snapshots) = spawn_model(cfg.model_options());
@@ -97,23 +100,37 @@ impl ControlPlane {
 
         let ca = build_ca(&cfg, snapshots.clone(), CaMetrics::register(&mut registry))?;
         let xds = XdsServer::new(snapshots.clone(), proxies.clone(), xds_metrics);
-        let mut stop = shutdown_rx.clone();
-        tasks.push(tokio::spawn(async move {
-            let result = tonic::transport::Server::builder()
+        let tls_config = Arc::new(ca.server_tls_config(&cfg.tls_names)?);
+        let tls_incoming =
+            crate::tls_listener::incoming(tls_listener, tls_config, shutdown_rx.clone());
+        for (what, incoming) in [
+            (
+                "plaintext",
+                Incoming::Plain(TcpListenerStream::new(xds_listener)),
+            ),
+            ("TLS", Incoming::Tls(tls_incoming)),
+        ] {
+            let router = tonic::transport::Server::builder()
                 .tcp_nodelay(true)
                 .http2_keepalive_interval(Some(Duration::from_secs(30)))
                 .initial_connection_window_size(Some(16 << 20))
                 .initial_stream_window_size(Some(8 << 20))
-                .add_service(xds.into_service())
-                .add_service(ca.into_server())
-                .serve_with_incoming_shutdown(TcpListenerStream::new(xds_listener), async move {
-                    let _ = stop.wait_for(|s| *s).await;
-                })
-                .await;
-            if let Err(e) = result {
-                warn!("xDS server stopped: {e}");
-            }
-        }));
+                .add_service(xds.clone().into_service())
+                .add_service(ca.clone().into_server());
+            let mut stop = shutdown_rx.clone();
+            let stopped = async move {
+                let _ = stop.wait_for(|s| *s).await;
+            };
+            tasks.push(tokio::spawn(async move {
+                let result = match incoming {
+                    Incoming::Plain(i) => router.serve_with_incoming_shutdown(i, stopped).await,
+                    Incoming::Tls(i) => router.serve_with_incoming_shutdown(i, stopped).await,
+                };
+                if let Err(e) = result {
+                    warn!("{what} gRPC server stopped: {e}");
+                }
+            }));
+        }
 
         let debug = DebugState {
             snapshots: snapshots.clone(),
@@ -127,11 +144,12 @@ impl ControlPlane {
         )));
 
         info!(
-            %xds_addr, %monitoring_addr, config_dir = %cfg.config_dir.display(),
+            %xds_addr, %xds_tls_addr, %monitoring_addr, config_dir = %cfg.config_dir.display(),
             "control plane serving"
         );
         Ok(Self {
             xds_addr,
+            xds_tls_addr,
             monitoring_addr,
             snapshots,
             proxies,
@@ -144,6 +162,11 @@ impl ControlPlane {
     /// Where xDS is served (plaintext gRPC).
     pub fn xds_addr(&self) -> SocketAddr {
         self.xds_addr
+    }
+
+    /// Where xDS and the CA are served over TLS (the production endpoint).
+    pub fn xds_tls_addr(&self) -> SocketAddr {
+        self.xds_tls_addr
     }
 
     /// Where `/metrics`, `/ready` and `/debug` are served.
@@ -198,6 +221,14 @@ fn build_ca(
         Arc::new(SnapshotPodLocator::new(snapshots)),
         metrics,
     ))
+}
+
+/// The two gRPC listeners' connection streams.
+enum Incoming {
+    Plain(TcpListenerStream),
+    Tls(
+        tokio_stream::wrappers::ReceiverStream<std::io::Result<crate::tls_listener::TlsConnection>>,
+    ),
 }
 
 /// Metrics about the model itself.

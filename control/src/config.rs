@@ -30,6 +30,21 @@ pub struct ControlConfig {
     #[arg(long, env = "XDS_PLAINTEXT_ADDR", default_value = "127.0.0.1:15010")]
     pub xds_plaintext_addr: SocketAddr,
 
+    /// TLS gRPC address for xDS and the CA: the production endpoint. Its
+    /// serving certificate is issued by the mesh CA for `--tls-names`.
+    #[arg(long, env = "XDS_TLS_ADDR", default_value = "0.0.0.0:15012")]
+    pub xds_tls_addr: SocketAddr,
+
+    /// Names (DNS or IP) the 15012 serving certificate is valid for,
+    /// comma-separated.
+    #[arg(
+        long,
+        env = "TLS_NAMES",
+        value_delimiter = ',',
+        default_value = "ambit-control.ambit-system.svc,ambit-control.ambit-system.svc.cluster.local,istiod.istio-system.svc,localhost,127.0.0.1"
+    )]
+    pub tls_names: Vec<String>,
+
     /// Address of `/metrics`, `/ready` and `/debug/*`.
     #[arg(long, env = "MONITORING_ADDR", default_value = "127.0.0.1:15014")]
     pub monitoring_addr: SocketAddr,
@@ -75,6 +90,8 @@ impl ControlConfig {
             config_dir,
             data_dir,
             xds_plaintext_addr: any,
+            xds_tls_addr: any,
+            tls_names: vec!["localhost".into(), "127.0.0.1".into()],
             monitoring_addr: any,
             trust_domain: "cluster.local".into(),
             cluster_id: "Kubernetes".into(),

@@ -9,6 +9,7 @@ pub mod debug;
 pub mod http;
 pub mod model;
 pub mod source;
+pub mod tls_listener;
 pub mod xds;
 
 pub use app::{AppError, ControlPlane};

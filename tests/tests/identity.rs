@@ -1,5 +1,6 @@
 //! Identity end to end: the control plane's CA (local mode, node bootstrap
-//! tokens) and a ztunnel's certificate manager over loopback. The ztunnel
+//! tokens) and a ztunnel's certificate manager over loopback, xDS and CA both
+//! on the TLS endpoint (15012) verified against the mesh root. The ztunnel
 //! prefetches a certificate for every enrolled pod on its node and only for
 //! those; each chains to the CA's persisted root and names the pod's
 //! SPIFFE identity.
@@ -31,9 +32,11 @@ async fn ztunnel_gets_certificates_for_its_enrolled_pods_only() {
 
     let token_file = data.path().join("ztunnel-token");
     std::fs::write(&token_file, "node1-secret\n").unwrap();
-    let mut zcfg = ambit_ztunnel::Config::new("node-1", format!("http://{}", cp.xds_addr()))
+    let root_file = data.path().join("cp/ca/root-cert.pem");
+    let mut zcfg = ambit_ztunnel::Config::new("node-1", format!("https://{}", cp.xds_tls_addr()))
         .with_ephemeral_ports();
     zcfg.token_file = Some(token_file);
+    zcfg.root_cert = Some(root_file);
     let zt = ambit_ztunnel::start(zcfg).await.unwrap();
     tokio::time::timeout(LIMIT, zt.wait_ready()).await.unwrap();
 

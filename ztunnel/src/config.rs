@@ -23,12 +23,16 @@ pub const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
 #[derive(Debug, Clone, PartialEq, Eq, Parser)]
 #[command(name = "ztunnel", version, about = "Ambit node proxy (ztunnel)")]
 pub struct Config {
-    /// URL of the control plane's xDS endpoint (plaintext h2c for now).
+    /// URL of the control plane's xDS endpoint: `https://host:15012` (TLS,
+    /// the production endpoint; the server certificate is checked against
+    /// `--root-cert` and must cover `host`, a DNS name or IP address) or
+    /// `http://host:15010` (plaintext h2c, local mode and tests).
     #[arg(long, env = "XDS_ADDRESS", default_value = DEFAULT_XDS_ADDRESS)]
     pub xds_address: String,
 
     /// URL of the certificate authority (`IstioCertificateService`); defaults
-    /// to the xDS address. Plaintext h2c for now; TLS on 15012 comes later.
+    /// to the xDS address. `https://` (TLS, verified against `--root-cert`)
+    /// or `http://` (plaintext h2c), as for `--xds-address`.
     #[arg(long, env = "CA_ADDRESS")]
     pub ca_address: Option<String>,
 
@@ -42,8 +46,11 @@ pub struct Config {
     #[arg(long, env = "TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
 
-    /// PEM file with extra trusted root certificates (e.g. the mesh root, or
-    /// the next root during a rotation); added to the trust bundle.
+    /// PEM file with trusted root certificates (e.g. the mesh root, or the
+    /// next root during a rotation): added to the workload trust bundle, and
+    /// the roots that verify the control plane's certificate on `https://`
+    /// xDS and CA addresses (required then). Re-read at every new
+    /// connection to the control plane.
     #[arg(long, env = "ROOT_CERT")]
     pub root_cert: Option<PathBuf>,
 

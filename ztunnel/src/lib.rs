@@ -11,6 +11,7 @@
 pub mod admin;
 pub mod app;
 pub mod config;
+pub mod control_channel;
 pub mod drain;
 pub mod identity;
 pub mod metrics;

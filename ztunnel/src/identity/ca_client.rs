@@ -3,16 +3,17 @@
 //! exactly as Istio's ztunnel does.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ambit_proto::auth::IstioCertificateRequest;
 use ambit_proto::auth::istio_certificate_service_client::IstioCertificateServiceClient;
 use futures::future::BoxFuture;
 use tonic::metadata::MetadataValue;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use super::Identity;
+use crate::control_channel::{CA_ADDRESS_FLAG, ControlChannel, ControlChannelError};
 
 /// Metadata field carrying the SPIFFE id a node proxy requests on behalf of.
 pub const IMPERSONATED_IDENTITY: &str = "ImpersonatedIdentity";
@@ -22,7 +23,7 @@ pub const IMPERSONATED_IDENTITY: &str = "ImpersonatedIdentity";
 pub enum CaClientError {
     /// The CA address is not a valid URL.
     #[error(
-        "invalid CA address {address:?}: {reason}; set --ca-address / CA_ADDRESS (it defaults to --xds-address / XDS_ADDRESS) to a URL such as http://127.0.0.1:15010"
+        "invalid CA address {address:?}: {reason}; set --ca-address / CA_ADDRESS (it defaults to --xds-address / XDS_ADDRESS) to a URL such as https://istiod.istio-system.svc:15012 (TLS, needs --root-cert) or http://127.0.0.1:15010 (plaintext)"
     )]
     InvalidAddress {
         /// The address given.
@@ -30,6 +31,10 @@ pub enum CaClientError {
         /// Why it was rejected.
         reason: String,
     },
+    /// The TLS side of an `https://` CA address could not be set up
+    /// (no `--root-cert`, or an unusable root file).
+    #[error("cannot set up TLS towards the CA: {0}")]
+    Tls(#[source] ControlChannelError),
     /// The token file could not be read.
     #[error("could not read the CA token file {path}: {reason}")]
     TokenFile {
@@ -98,19 +103,37 @@ impl GrpcCaClient {
     /// Connect timeout towards the CA.
     pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-    /// A client of the CA at `address` (`http://host:port`; plaintext h2c
-    /// for now). Connects lazily, so the CA need not be up yet.
+    /// A client of the CA at `address` with no `--root-cert`: fine for
+    /// `http://` (plaintext h2c); an `https://` address needs
+    /// [`GrpcCaClient::with_root_cert`]. Connects lazily, so the CA need not
+    /// be up yet.
     pub fn new(address: &str, token_file: Option<PathBuf>) -> Result<Self, CaClientError> {
-        let endpoint = Endpoint::from_shared(address.to_string())
-            .map_err(|e| CaClientError::InvalidAddress {
-                address: address.to_string(),
-                reason: e.to_string(),
+        Self::with_root_cert(address, token_file, None)
+    }
+
+    /// A client of the CA at `address`: `http://host:port` is plaintext
+    /// h2c, `https://host:port` is TLS verified against the roots of the PEM
+    /// file `root_cert` (required then; read now, and again at every new
+    /// connection). Connects lazily, so the CA need not be up yet.
+    pub fn with_root_cert(
+        address: &str,
+        token_file: Option<PathBuf>,
+        root_cert: Option<&Path>,
+    ) -> Result<Self, CaClientError> {
+        let channel = ControlChannel::new(address, root_cert, CA_ADDRESS_FLAG)
+            .map_err(|e| match e {
+                ControlChannelError::InvalidAddress {
+                    address, reason, ..
+                } => CaClientError::InvalidAddress { address, reason },
+                other => CaClientError::Tls(other),
             })?
-            .connect_timeout(Self::CONNECT_TIMEOUT)
-            .http2_keep_alive_interval(Duration::from_secs(30))
-            .keep_alive_while_idle(true);
+            .map_endpoint(|e| {
+                e.connect_timeout(Self::CONNECT_TIMEOUT)
+                    .http2_keep_alive_interval(Duration::from_secs(30))
+                    .keep_alive_while_idle(true)
+            });
         Ok(Self {
-            client: IstioCertificateServiceClient::new(endpoint.connect_lazy()),
+            client: IstioCertificateServiceClient::new(channel.connect_lazy()),
             token_file,
         })
     }

@@ -195,8 +195,12 @@ impl CertificateManager {
     /// `config.effective_ca_address()` with `--token-file`, and
     /// [`IdentityConfig::from_config`]. Must be called inside a Tokio runtime.
     pub fn from_config(config: &crate::config::Config) -> Result<Self, IdentityError> {
-        let client = GrpcCaClient::new(config.effective_ca_address(), config.token_file.clone())
-            .map_err(IdentityError::CaClient)?;
+        let client = GrpcCaClient::with_root_cert(
+            config.effective_ca_address(),
+            config.token_file.clone(),
+            config.root_cert.as_deref(),
+        )
+        .map_err(IdentityError::CaClient)?;
         Self::new(IdentityConfig::from_config(config), Arc::new(client))
     }
 

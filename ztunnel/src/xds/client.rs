@@ -30,6 +30,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::{WILDCARD, XdsError, XdsHandle, handler};
 use crate::config::Config;
+use crate::control_channel::{ControlChannel, ControlChannelError, XDS_ADDRESS_FLAG};
 use crate::drain::DrainWatcher;
 use crate::metrics::{Metrics, TerminationReason, UrlLabel};
 use crate::state::{ResourceType, StateSnapshot, StateWriter};
@@ -55,6 +56,10 @@ pub struct XdsClientConfig {
     pub network: String,
     /// Bearer token file, re-read on every connection attempt.
     pub token_file: Option<std::path::PathBuf>,
+    /// PEM roots that verify the control plane's certificate; required for
+    /// an `https://` address. Read when the client is built and again at
+    /// every connection attempt (a rotated root is picked up on reconnect).
+    pub root_cert: Option<std::path::PathBuf>,
     /// First reconnect delay.
     pub initial_backoff: Duration,
     /// Longest reconnect delay.
@@ -72,6 +77,7 @@ impl XdsClientConfig {
             cluster_id: config.cluster_id.clone(),
             network: config.network.clone(),
             token_file: config.token_file.clone(),
+            root_cert: config.root_cert.clone(),
             initial_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_secs(15),
             connect_timeout: Duration::from_secs(5),
@@ -111,7 +117,7 @@ impl Backoff {
 #[derive(Debug)]
 pub struct XdsClient {
     config: XdsClientConfig,
-    endpoint: Endpoint,
+    channel: ControlChannel,
     node: Node,
     writer: StateWriter,
     metrics: Arc<Metrics>,
@@ -140,21 +146,32 @@ impl XdsClient {
         metrics: Arc<Metrics>,
         ready: watch::Sender<bool>,
     ) -> Result<(Self, XdsHandle), XdsError> {
-        let endpoint = Endpoint::from_shared(config.address.clone())
-            .map_err(|source| XdsError::InvalidAddress {
+        // Parsed twice on purpose: a malformed URL keeps its precise tonic
+        // error; the TLS side (scheme, --root-cert) is the channel's.
+        Endpoint::from_shared(config.address.clone()).map_err(|source| {
+            XdsError::InvalidAddress {
                 addr: config.address.clone(),
                 source,
-            })?
-            .connect_timeout(config.connect_timeout)
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(30))
-            .keep_alive_timeout(Duration::from_secs(10))
-            .keep_alive_while_idle(true);
+            }
+        })?;
+        let channel = ControlChannel::new(
+            &config.address,
+            config.root_cert.as_deref(),
+            XDS_ADDRESS_FLAG,
+        )
+        .map_err(|e: ControlChannelError| XdsError::ControlChannel(Box::new(e)))?
+        .map_endpoint(|e| {
+            e.connect_timeout(config.connect_timeout)
+                .tcp_nodelay(true)
+                .http2_keep_alive_interval(Duration::from_secs(30))
+                .keep_alive_timeout(Duration::from_secs(10))
+                .keep_alive_while_idle(true)
+        });
         let node = super::node(&config.node_name, &config.cluster_id, &config.network);
         let (tx, rx) = mpsc::channel(ON_DEMAND_QUEUE);
         let client = Self {
             config,
-            endpoint,
+            channel,
             node,
             writer,
             metrics,
@@ -227,7 +244,7 @@ impl XdsClient {
             None => None,
         };
         let channel = self
-            .endpoint
+            .channel
             .connect()
             .await
             .map_err(|source| XdsError::Connect {

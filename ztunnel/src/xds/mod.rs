@@ -41,6 +41,10 @@ pub enum XdsError {
         #[source]
         source: tonic::transport::Error,
     },
+    /// The TLS side of an `https://` xDS address could not be set up (no
+    /// `--root-cert`, an unusable root file, a scheme other than http/https).
+    #[error("cannot set up the xDS channel: {0}")]
+    ControlChannel(#[source] Box<crate::control_channel::ControlChannelError>),
     /// The TCP/HTTP2 connection could not be made.
     #[error(
         "could not connect to the control plane at {addr}: {}; is the control plane reachable at {addr}?",
