@@ -14,18 +14,34 @@ trap cleanup EXIT
 echo "==> building (release)"
 cargo build --release --locked -p ambit-control -p ambit-ztunnel
 
-echo "==> starting ambit-control on $dir (xDS 127.0.0.1:15010, debug 127.0.0.1:15014)"
+# A per-node bootstrap token, as the local mesh tooling writes them.
+token=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
+echo "$token node-1" >"$state/node-tokens"
+echo "$token" >"$state/node-1.token"
+
+echo "==> starting ambit-control on $dir (xDS+CA TLS 127.0.0.1:15012, plaintext 127.0.0.1:15010, debug 127.0.0.1:15014)"
 target/release/ambit-control --config-dir "$dir" --data-dir "$state/data" \
+  --node-tokens-file "$state/node-tokens" --xds-tls-addr 127.0.0.1:15012 \
   >"$state/control.log" 2>&1 &
 pids+=($!)
-echo "==> starting ztunnel for node-1 (admin 127.0.0.1:15000, metrics :15020, ready :15021)"
-target/release/ztunnel --xds-address http://127.0.0.1:15010 --node-name node-1 \
+for _ in $(seq 100); do
+  [ -s "$state/data/ca/root-cert.pem" ] && curl -fsS http://127.0.0.1:15014/ready >/dev/null 2>&1 && break
+  sleep 0.1
+done
+echo "==> starting ztunnel for node-1 over TLS (admin 127.0.0.1:15000, metrics :15020, ready :15021)"
+target/release/ztunnel --xds-address https://127.0.0.1:15012 --node-name node-1 \
+  --token-file "$state/node-1.token" --root-cert "$state/data/ca/root-cert.pem" \
   --stats-addr 127.0.0.1:15020 --readiness-addr 127.0.0.1:15021 \
   >"$state/ztunnel.log" 2>&1 &
 pids+=($!)
 
 for _ in $(seq 100); do
   curl -fsS http://127.0.0.1:15021/healthz/ready >/dev/null 2>&1 && break
+  sleep 0.1
+done
+# Certificates are fetched right after the first sync; give them a moment.
+for _ in $(seq 50); do
+  curl -fsS http://127.0.0.1:15000/config_dump 2>/dev/null | grep -q '"state": "Available"' && break
   sleep 0.1
 done
 curl -fsS http://127.0.0.1:15021/healthz/ready >/dev/null || {
@@ -49,6 +65,11 @@ for s in sorted(d["services"], key=lambda s: s["hostname"]):
     print(row % (s["namespace"] + "/" + s["hostname"], ",".join(s.get("vips", [])), ports, len(s.get("endpoints", {}))))
 print()
 print("authorization policies: %d" % len(d["policies"]))
+print()
+row = "%-56s %-10s %s"
+print(row % ("CERTIFICATE (node-1 pods, keys made on this node)", "STATE", "EXPIRES"))
+for c in d["certificates"]:
+    print(row % (c["identity"], c["state"].split(":")[0], c.get("notAfter", "")))
 '
 echo
 echo "xDS clients seen by the control plane (GET 127.0.0.1:15014/debug/connections):"
