@@ -13,24 +13,14 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 };
 use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
-use tracing::{debug, info, warn};
+use tracing::debug;
 
-use super::status::{NackRecord, ProxyInfo, type_label, unix_now};
+use super::status::type_label;
+use super::stream::{StreamCtx, StreamEnd};
 use super::{
     CHUNK, FULL_SYNC_SLOT_TIMEOUT, LARGE_RESPONSE, SUPPORTED_TYPES, Shared, delta, resources,
 };
 use crate::model::snapshot::{ResourceSet, Snapshot, XdsResource};
-
-/// Why a stream ended.
-#[derive(Debug, thiserror::Error)]
-pub(super) enum StreamEnd {
-    #[error("the client stopped reading responses (connection closed)")]
-    ClientGone,
-    #[error("the client's request stream failed: {0}")]
-    Client(Status),
-    #[error("the mesh model stopped; the control plane is shutting down")]
-    ModelStopped,
-}
 
 /// What one client holds and wants of one type.
 ///
@@ -195,10 +185,7 @@ impl Subscription {
 }
 
 pub(super) struct DeltaStream {
-    id: u64,
-    peer: String,
-    node_id: String,
-    shared: Arc<Shared>,
+    ctx: StreamCtx,
     tx: mpsc::Sender<Result<DeltaDiscoveryResponse, Status>>,
     subs: Vec<Subscription>,
     nonce: u64,
@@ -222,10 +209,7 @@ impl DeltaStream {
         tx: mpsc::Sender<Result<DeltaDiscoveryResponse, Status>>,
     ) -> Self {
         Self {
-            id,
-            peer,
-            node_id: String::new(),
-            shared,
+            ctx: StreamCtx::new(id, peer, "delta", shared),
             tx,
             subs: Vec::new(),
             nonce: 0,
@@ -235,33 +219,14 @@ impl DeltaStream {
     }
 
     pub(super) async fn run(mut self, mut requests: Streaming<DeltaDiscoveryRequest>) {
-        let mut snapshots = self.shared.snapshots.clone();
-        // Until the sources delivered their initial state, an empty mesh
-        // would look real to the client: hold the stream until then.
-        let snap = match snapshots.wait_for(|s| s.synced).await {
-            Ok(s) => s.clone(),
-            Err(_) => return,
-        };
-        self.snap = snap;
-        let labels = vec![("protocol", "delta")];
-        self.shared.metrics.connected.get_or_create(&labels).inc();
-        self.shared.registry.connect(ProxyInfo {
-            connection: self.id,
-            node_id: String::new(),
-            peer: self.peer.clone(),
-            protocol: "delta",
-            connected_at_unix: unix_now(),
-            last_snapshot_seq: self.snap.seq,
-            types: Default::default(),
-        });
+        if self.ctx.open().await.is_none() {
+            return;
+        }
+        let mut snapshots = self.ctx.shared.snapshots.clone();
+        self.snap = snapshots.borrow_and_update().clone();
         debug!("delta xDS stream opened");
         let result = self.serve(&mut requests, &mut snapshots).await;
-        match result {
-            Ok(()) => info!(proxy = %self.node_id, "delta xDS stream closed by the client"),
-            Err(e) => info!(proxy = %self.node_id, "delta xDS stream ended: {e}"),
-        }
-        self.shared.registry.disconnect(self.id);
-        self.shared.metrics.connected.get_or_create(&labels).dec();
+        self.ctx.close(result);
     }
 
     async fn serve(
@@ -285,7 +250,7 @@ impl DeltaStream {
                     self.on_snapshot(snap).await?;
                 }
                 _ = sleep_until_some(slot_deadline) => {
-                    debug!(proxy = %self.node_id, "full sync not ACKed in time; releasing its slot");
+                    debug!(proxy = %self.ctx.node_id, "full sync not ACKed in time; releasing its slot");
                     self.sync_slot = None;
                 }
             }
@@ -293,15 +258,7 @@ impl DeltaStream {
     }
 
     async fn on_request(&mut self, req: DeltaDiscoveryRequest) -> Result<(), StreamEnd> {
-        if self.node_id.is_empty()
-            && let Some(node) = &req.node
-        {
-            self.node_id = node.id.clone();
-            let node_id = self.node_id.clone();
-            self.shared
-                .registry
-                .update(self.id, |p| p.node_id = node_id);
-        }
+        self.ctx.learn_node(req.node.as_ref());
         let Some(type_url) = SUPPORTED_TYPES.iter().copied().find(|t| *t == req.type_url) else {
             debug!(type_url = %req.type_url, "ignoring a request for a type this server does not serve");
             return Ok(());
@@ -314,17 +271,8 @@ impl DeltaStream {
             {
                 self.sync_slot = None;
             }
-            match &req.error_detail {
-                Some(err) => self.on_nack(type_url, &req.response_nonce, &err.message),
-                None => {
-                    let nonce = req.response_nonce.clone();
-                    self.shared.registry.update(self.id, |p| {
-                        let t = p.types.entry(type_url.to_string()).or_default();
-                        t.acks += 1;
-                        t.last_nonce_acked = nonce;
-                    });
-                }
-            }
+            self.ctx
+                .acked(type_url, &req.response_nonce, req.error_detail.as_ref());
         }
 
         let idx = match self.subs.iter().position(|s| s.type_url == type_url) {
@@ -410,7 +358,7 @@ impl DeltaStream {
             (false, false, false) => sub.reconcile_explicit(set, &new_names),
         };
         let (wildcard, explicit) = (sub.wildcard, sub.names.len());
-        self.shared.registry.update(self.id, |p| {
+        self.ctx.shared.registry.update(self.ctx.id, |p| {
             let t = p.types.entry(type_url.to_string()).or_default();
             t.wildcard = wildcard;
             t.explicit_names = explicit;
@@ -444,33 +392,11 @@ impl DeltaStream {
             }
         }
         let seq = self.snap.seq;
-        self.shared
+        self.ctx
+            .shared
             .registry
-            .update(self.id, |p| p.last_snapshot_seq = seq);
+            .update(self.ctx.id, |p| p.last_snapshot_seq = seq);
         Ok(())
-    }
-
-    fn on_nack(&self, type_url: &'static str, nonce: &str, message: &str) {
-        warn!(
-            proxy = %self.node_id, type_url, nonce, error = message,
-            "proxy rejected (NACKed) an xDS response and keeps its previous config; \
-             fix the resource named in the error"
-        );
-        self.shared
-            .metrics
-            .rejects
-            .get_or_create(&vec![("type", type_label(type_url))])
-            .inc();
-        self.shared.registry.record_nack(NackRecord {
-            at_unix: unix_now(),
-            node_id: self.node_id.clone(),
-            type_url: type_url.to_string(),
-            nonce: nonce.to_string(),
-            message: message.to_string(),
-        });
-        self.shared.registry.update(self.id, |p| {
-            p.types.entry(type_url.to_string()).or_default().nacks += 1;
-        });
     }
 
     /// Waits for a full-sync slot (our own previous one is released first).
@@ -478,6 +404,7 @@ impl DeltaStream {
     async fn reserve_full_sync(&mut self) -> Result<(), StreamEnd> {
         self.sync_slot = None;
         let permit = self
+            .ctx
             .shared
             .full_syncs
             .clone()
@@ -516,7 +443,7 @@ impl DeltaStream {
             .sum();
         let count = resources.len();
         let chunks = count.div_ceil(CHUNK).max(1);
-        let m = &self.shared.metrics;
+        let m = &self.ctx.shared.metrics;
         m.pushes.get_or_create(&labels).inc_by(chunks as u64);
         m.resources_sent.get_or_create(&labels).inc_by(count as u64);
         m.push_bytes.get_or_create(&labels).inc_by(bytes as u64);
@@ -536,7 +463,7 @@ impl DeltaStream {
             let last = i + 1 == chunks;
             let part = resources.split_off(resources.len() - resources.len().min(CHUNK));
             self.nonce += 1;
-            nonce = format!("{}-{}", self.id, self.nonce);
+            nonce = format!("{}-{}", self.ctx.id, self.nonce);
             if last && let Some(slot) = self.sync_slot.as_mut().filter(|s| s.nonce.is_empty()) {
                 slot.nonce = nonce.clone();
             }
@@ -562,7 +489,7 @@ impl DeltaStream {
                 .map_err(|_| StreamEnd::ClientGone)?;
         }
         let held = super::resources(&self.snap, type_url).map_or(0, |set| self.subs[idx].held(set));
-        self.shared.registry.update(self.id, |p| {
+        self.ctx.shared.registry.update(self.ctx.id, |p| {
             let t = p.types.entry(type_url.to_string()).or_default();
             t.pushes += chunks as u64;
             t.resources_held = held;

@@ -9,6 +9,7 @@
 mod delta;
 mod sotw;
 pub mod status;
+mod stream;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -9,10 +9,10 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
 use tokio::sync::{mpsc, watch};
 use tonic::{Status, Streaming};
-use tracing::{debug, info, warn};
+use tracing::debug;
 
-use super::delta::StreamEnd;
-use super::status::{NackRecord, ProxyInfo, type_label, unix_now};
+use super::status::type_label;
+use super::stream::{StreamCtx, StreamEnd};
 use super::{SUPPORTED_TYPES, Shared, resources};
 use crate::model::snapshot::{ResourceSet, Snapshot};
 
@@ -56,10 +56,7 @@ impl Subscription {
 }
 
 pub(super) struct SotwStream {
-    id: u64,
-    peer: String,
-    node_id: String,
-    shared: Arc<Shared>,
+    ctx: StreamCtx,
     tx: mpsc::Sender<Result<DiscoveryResponse, Status>>,
     subs: Vec<Subscription>,
     nonce: u64,
@@ -74,10 +71,7 @@ impl SotwStream {
         tx: mpsc::Sender<Result<DiscoveryResponse, Status>>,
     ) -> Self {
         Self {
-            id,
-            peer,
-            node_id: String::new(),
-            shared,
+            ctx: StreamCtx::new(id, peer, "sotw", shared),
             tx,
             subs: Vec::new(),
             nonce: 0,
@@ -86,29 +80,13 @@ impl SotwStream {
     }
 
     pub(super) async fn run(mut self, mut requests: Streaming<DiscoveryRequest>) {
-        let mut snapshots = self.shared.snapshots.clone();
-        let snap = match snapshots.wait_for(|s| s.synced).await {
-            Ok(s) => s.clone(),
-            Err(_) => return,
-        };
-        self.snap = snap;
-        let labels = vec![("protocol", "sotw")];
-        self.shared.metrics.connected.get_or_create(&labels).inc();
-        self.shared.registry.connect(ProxyInfo {
-            connection: self.id,
-            node_id: String::new(),
-            peer: self.peer.clone(),
-            protocol: "sotw",
-            connected_at_unix: unix_now(),
-            last_snapshot_seq: self.snap.seq,
-            types: Default::default(),
-        });
-        match self.serve(&mut requests, &mut snapshots).await {
-            Ok(()) => info!(proxy = %self.node_id, "xDS stream closed by the client"),
-            Err(e) => info!(proxy = %self.node_id, "xDS stream ended: {e}"),
+        if self.ctx.open().await.is_none() {
+            return;
         }
-        self.shared.registry.disconnect(self.id);
-        self.shared.metrics.connected.get_or_create(&labels).dec();
+        let mut snapshots = self.ctx.shared.snapshots.clone();
+        self.snap = snapshots.borrow_and_update().clone();
+        let result = self.serve(&mut requests, &mut snapshots).await;
+        self.ctx.close(result);
     }
 
     async fn serve(
@@ -137,46 +115,14 @@ impl SotwStream {
     }
 
     async fn on_request(&mut self, req: DiscoveryRequest) -> Result<(), StreamEnd> {
-        if self.node_id.is_empty()
-            && let Some(node) = &req.node
-        {
-            self.node_id = node.id.clone();
-            let node_id = self.node_id.clone();
-            self.shared
-                .registry
-                .update(self.id, |p| p.node_id = node_id);
-        }
+        self.ctx.learn_node(req.node.as_ref());
         let Some(type_url) = SUPPORTED_TYPES.iter().copied().find(|t| *t == req.type_url) else {
             debug!(type_url = %req.type_url, "ignoring a request for a type this server does not serve");
             return Ok(());
         };
         if !req.response_nonce.is_empty() {
-            if let Some(err) = &req.error_detail {
-                warn!(
-                    proxy = %self.node_id, type_url, nonce = %req.response_nonce, error = %err.message,
-                    "proxy rejected (NACKed) an xDS response and keeps its previous config; \
-                     fix the resource named in the error"
-                );
-                self.shared
-                    .metrics
-                    .rejects
-                    .get_or_create(&vec![("type", type_label(type_url))])
-                    .inc();
-                self.shared.registry.record_nack(NackRecord {
-                    at_unix: unix_now(),
-                    node_id: self.node_id.clone(),
-                    type_url: type_url.to_string(),
-                    nonce: req.response_nonce.clone(),
-                    message: err.message.clone(),
-                });
-            } else {
-                let nonce = req.response_nonce.clone();
-                self.shared.registry.update(self.id, |p| {
-                    let t = p.types.entry(type_url.to_string()).or_default();
-                    t.acks += 1;
-                    t.last_nonce_acked = nonce;
-                });
-            }
+            self.ctx
+                .acked(type_url, &req.response_nonce, req.error_detail.as_ref());
         }
         let names: HashSet<String> = req.resource_names.into_iter().collect();
         let (idx, first) = match self.subs.iter().position(|s| s.type_url == type_url) {
@@ -224,16 +170,16 @@ impl SotwStream {
             .collect();
         self.subs[idx].sent = sent;
         self.nonce += 1;
-        let nonce = format!("{}-{}", self.id, self.nonce);
+        let nonce = format!("{}-{}", self.ctx.id, self.nonce);
         let labels = vec![("type", type_label(type_url))];
-        let m = &self.shared.metrics;
+        let m = &self.ctx.shared.metrics;
         m.pushes.get_or_create(&labels).inc();
         m.resources_sent
             .get_or_create(&labels)
             .inc_by(body.len() as u64);
         m.push_bytes.get_or_create(&labels).inc_by(bytes as u64);
         let (held, nonce_copy, seq) = (body.len(), nonce.clone(), self.snap.seq);
-        self.shared.registry.update(self.id, |p| {
+        self.ctx.shared.registry.update(self.ctx.id, |p| {
             let t = p.types.entry(type_url.to_string()).or_default();
             t.pushes += 1;
             t.resources_held = held;

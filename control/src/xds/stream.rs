@@ -1,0 +1,133 @@
+//! What every ADS stream does the same way, Delta or SotW: wait for the
+//! first synced snapshot, register with the proxy registry and metrics,
+//! learn the node id, record ACKs and NACKs, and unregister at the end.
+
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::config::core::v3::Node;
+use envoy_types::pb::google::rpc::Status as RpcStatus;
+use tonic::Status;
+use tracing::{info, warn};
+
+use super::Shared;
+use super::status::{NackRecord, ProxyInfo, type_label, unix_now};
+use crate::model::snapshot::Snapshot;
+
+/// Why a stream ended.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum StreamEnd {
+    #[error("the client stopped reading responses (connection closed)")]
+    ClientGone,
+    #[error("the client's request stream failed: {0}")]
+    Client(Status),
+    #[error("the mesh model stopped; the control plane is shutting down")]
+    ModelStopped,
+}
+
+/// Identity and bookkeeping of one stream.
+pub(super) struct StreamCtx {
+    pub id: u64,
+    pub peer: String,
+    pub node_id: String,
+    pub protocol: &'static str,
+    pub shared: Arc<Shared>,
+}
+
+impl StreamCtx {
+    pub fn new(id: u64, peer: String, protocol: &'static str, shared: Arc<Shared>) -> Self {
+        Self {
+            id,
+            peer,
+            node_id: String::new(),
+            protocol,
+            shared,
+        }
+    }
+
+    /// Waits until the sources delivered their initial state (an empty mesh
+    /// would look real to the client), then registers the stream. `None`
+    /// when the model stopped first.
+    pub async fn open(&self) -> Option<Arc<Snapshot>> {
+        let mut snapshots = self.shared.snapshots.clone();
+        let snap = snapshots.wait_for(|s| s.synced).await.ok()?.clone();
+        self.shared
+            .metrics
+            .connected
+            .get_or_create(&vec![("protocol", self.protocol)])
+            .inc();
+        self.shared.registry.connect(ProxyInfo {
+            connection: self.id,
+            node_id: String::new(),
+            peer: self.peer.clone(),
+            protocol: self.protocol,
+            connected_at_unix: unix_now(),
+            last_snapshot_seq: snap.seq,
+            types: Default::default(),
+        });
+        Some(snap)
+    }
+
+    /// Logs how the stream ended and unregisters it.
+    pub fn close(&self, result: Result<(), StreamEnd>) {
+        match result {
+            Ok(()) => {
+                info!(proxy = %self.node_id, protocol = self.protocol, "xDS stream closed by the client")
+            }
+            Err(e) => {
+                info!(proxy = %self.node_id, protocol = self.protocol, "xDS stream ended: {e}")
+            }
+        }
+        self.shared.registry.disconnect(self.id);
+        self.shared
+            .metrics
+            .connected
+            .get_or_create(&vec![("protocol", self.protocol)])
+            .dec();
+    }
+
+    /// Remembers the node id from the first request that carries one.
+    pub fn learn_node(&mut self, node: Option<&Node>) {
+        if self.node_id.is_empty()
+            && let Some(node) = node
+        {
+            self.node_id = node.id.clone();
+            let node_id = self.node_id.clone();
+            self.shared
+                .registry
+                .update(self.id, |p| p.node_id = node_id);
+        }
+    }
+
+    /// Records the ACK or NACK carried by a request with `nonce`.
+    pub fn acked(&self, type_url: &'static str, nonce: &str, error: Option<&RpcStatus>) {
+        let Some(err) = error else {
+            let nonce = nonce.to_string();
+            self.shared.registry.update(self.id, |p| {
+                let t = p.types.entry(type_url.to_string()).or_default();
+                t.acks += 1;
+                t.last_nonce_acked = nonce;
+            });
+            return;
+        };
+        warn!(
+            proxy = %self.node_id, type_url, nonce, error = %err.message,
+            "proxy rejected (NACKed) an xDS response and keeps its previous config; \
+             fix the resource named in the error"
+        );
+        self.shared
+            .metrics
+            .rejects
+            .get_or_create(&vec![("type", type_label(type_url))])
+            .inc();
+        self.shared.registry.record_nack(NackRecord {
+            at_unix: unix_now(),
+            node_id: self.node_id.clone(),
+            type_url: type_url.to_string(),
+            nonce: nonce.to_string(),
+            message: err.message.clone(),
+        });
+        self.shared.registry.update(self.id, |p| {
+            p.types.entry(type_url.to_string()).or_default().nacks += 1;
+        });
+    }
+}
