@@ -91,7 +91,9 @@ impl TokenAuthenticator for TokenReview {
     fn authenticate<'a>(&'a self, _token: &'a str) -> BoxFuture<'a, Result<Caller, AuthError>> {
         Box::pin(async {
             Err(AuthError::Unavailable(
-                "Kubernetes TokenReview not configured".into(),
+                "Kubernetes TokenReview not configured; in local mode start ambit-control \
+                 with --node-tokens-file (one `<token> <node-name>` per line)"
+                    .into(),
             ))
         })
     }
