@@ -12,9 +12,13 @@ pub mod admin;
 pub mod app;
 pub mod config;
 pub mod control_channel;
+pub mod copy;
 pub mod drain;
+pub mod hbone;
 pub mod identity;
+pub mod inpod;
 pub mod metrics;
+pub mod rbac;
 pub mod state;
 pub mod xds;
 

@@ -1,0 +1,56 @@
+//! HBONE: TCP tunnelled as HTTP/2 `CONNECT` streams over mutual TLS
+//! (SPEC §4), the building blocks of the data path.
+//!
+//! ```text
+//!  outbound                                             inbound (pod :15008)
+//!  HboneClient::connect(tcp, client_config(src cert, bundle, dst identity))
+//!    └─ HboneConnection ── TLS 1.3 + ALPN h2 ──▶ HboneServer::serve(tcp, authorize, handler)
+//!         connect_stream(ip:port, headers)  ───CONNECT──▶  ConnectRequest ─authorize─▶ 200
+//!         H2Stream ◀════════════ bytes (copy::copy_bidirectional) ════════════▶ H2Stream
+//! ```
+//!
+//! * [`tls`]: rustls configs. The client pins the peer's SPIFFE identity,
+//!   the server requires a client certificate; both chain to the bundle.
+//! * [`server`]: one accepted TCP connection → TLS → h2, many streams; only
+//!   `CONNECT ip:port` passes, and an authorization callback decides
+//!   whether the address and the caller are acceptable.
+//! * [`client`]: one connection to a peer's :15008, many concurrent streams.
+//! * [`H2Stream`]: a stream as `AsyncRead + AsyncWrite`, flow-controlled.
+//!
+//! Windows are large ([`STREAM_WINDOW`], [`CONNECTION_WINDOW`]) so one
+//! stream can fill a fast link despite HTTP/2 flow control.
+//!
+//! TODO(data plane): a connection pool keyed by (source identity,
+//! destination identity, destination IP) on top of [`HboneConnection`]:
+//! reuse while [`HboneConnection::is_usable`], a per-connection stream
+//! limit, an idle timeout, and never hand out a broken connection. Then the
+//! in-pod listeners (15001/15006/15008), metrics and access logs, and drain
+//! on shutdown.
+#![forbid(unsafe_code)]
+
+pub mod client;
+pub mod server;
+mod stream;
+pub mod tls;
+
+#[cfg(test)]
+mod tests;
+
+pub use client::{ClientError, HboneClient, HboneConnection};
+pub use server::{ConnectRequest, HboneServer, ServerError};
+pub use stream::H2Stream;
+pub use tls::{TlsError, client_config, peer_identity, server_config};
+
+use std::time::Duration;
+
+/// Initial HTTP/2 flow-control window of each stream (bytes).
+pub const STREAM_WINDOW: u32 = 4 * 1024 * 1024;
+/// HTTP/2 flow-control window of a whole connection (bytes).
+pub const CONNECTION_WINDOW: u32 = 16 * 1024 * 1024;
+/// Largest HTTP/2 frame we accept (bytes); big frames mean fewer headers
+/// per byte on bulk transfers.
+pub const MAX_FRAME_SIZE: u32 = 1024 * 1024;
+/// Most bytes h2 buffers per stream before a writer must wait.
+pub const MAX_SEND_BUFFER: usize = 1024 * 1024;
+/// Default bound on TLS + HTTP/2 handshakes.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);

@@ -1,0 +1,241 @@
+//! The inbound end of HBONE: one accepted TCP connection → mTLS → HTTP/2,
+//! many `CONNECT` streams.
+//!
+//! Per stream: anything but `CONNECT` gets 405, a `:authority` that is not
+//! `ip:port` gets 400, then the caller's authorization callback decides
+//! (e.g. 401/403 for an address that is not the pod's — never an open
+//! proxy). An accepted stream gets `200` and is handed to the caller's
+//! handler as an [`H2Stream`] on its own task.
+
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use hyper::http::{HeaderMap, Method, Response, StatusCode, Uri};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+use tokio_rustls::TlsAcceptor;
+
+use super::stream::H2Stream;
+use super::tls::peer_identity;
+use super::{CONNECTION_WINDOW, HANDSHAKE_TIMEOUT, MAX_FRAME_SIZE, MAX_SEND_BUFFER, STREAM_WINDOW};
+use crate::identity::Identity;
+
+/// Errors of one inbound HBONE connection.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// The accepted socket has no peer address (it is already closed).
+    #[error("the accepted HBONE connection is already closed: {0}")]
+    PeerAddr(#[source] io::Error),
+    /// The TLS handshake failed (bad or missing client certificate, wrong
+    /// CA, not TLS 1.3, ...).
+    #[error(
+        "TLS handshake with {peer} failed: {source}; HBONE clients must use TLS 1.3 and present a certificate issued by this mesh's CA"
+    )]
+    Tls {
+        /// The client's address.
+        peer: SocketAddr,
+        /// The TLS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The client took too long to complete the TLS and HTTP/2 handshakes.
+    #[error("handshake with {peer} did not complete within {timeout:?}")]
+    HandshakeTimeout {
+        /// The client's address.
+        peer: SocketAddr,
+        /// The bound that expired.
+        timeout: Duration,
+    },
+    /// The client's certificate chains to the bundle but names no SPIFFE
+    /// identity.
+    #[error(
+        "the client certificate of {peer} carries no single spiffe:// URI SAN, so its identity is unknown; refusing it"
+    )]
+    NoPeerIdentity {
+        /// The client's address.
+        peer: SocketAddr,
+    },
+    /// The HTTP/2 handshake failed (the client does not speak HTTP/2).
+    #[error("HTTP/2 handshake with {peer} ({identity}) failed: {source}")]
+    H2Handshake {
+        /// The client's address.
+        peer: SocketAddr,
+        /// The client's identity.
+        identity: Identity,
+        /// The h2 error.
+        #[source]
+        source: h2::Error,
+    },
+    /// The HTTP/2 connection failed after the handshake.
+    #[error("HBONE connection from {peer} ({identity}) failed: {source}")]
+    Connection {
+        /// The client's address.
+        peer: SocketAddr,
+        /// The client's identity.
+        identity: Identity,
+        /// The h2 error.
+        #[source]
+        source: h2::Error,
+    },
+}
+
+/// A `CONNECT` request that passed the protocol checks, as shown to the
+/// authorization callback and handed to the handler.
+#[derive(Debug, Clone)]
+pub struct ConnectRequest {
+    /// The client's SPIFFE identity, from its verified certificate.
+    pub peer_identity: Identity,
+    /// The client's TCP address (the remote ztunnel).
+    pub peer_addr: SocketAddr,
+    /// Where the client wants to go (`:authority`).
+    pub authority: SocketAddr,
+    /// The request headers (`baggage`, `forwarded`, `traceparent`, ...).
+    pub headers: HeaderMap,
+}
+
+/// Serves HBONE on accepted TCP connections.
+#[derive(Clone)]
+pub struct HboneServer {
+    acceptor: TlsAcceptor,
+    handshake_timeout: Duration,
+}
+
+impl std::fmt::Debug for HboneServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HboneServer")
+            .field("handshake_timeout", &self.handshake_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl HboneServer {
+    /// A server using `config` (see [`super::server_config`]).
+    pub fn new(config: Arc<rustls::ServerConfig>) -> Self {
+        Self {
+            acceptor: TlsAcceptor::from(config),
+            handshake_timeout: HANDSHAKE_TIMEOUT,
+        }
+    }
+
+    /// Bounds the TLS + HTTP/2 handshakes (default [`HANDSHAKE_TIMEOUT`]).
+    pub fn with_handshake_timeout(mut self, timeout: Duration) -> Self {
+        self.handshake_timeout = timeout;
+        self
+    }
+
+    /// Serves one accepted connection until the client closes it.
+    ///
+    /// For every valid `CONNECT`, `authorize` is asked first; `Err(status)`
+    /// refuses the stream with that status. Accepted streams get `200` and
+    /// `handler(request, stream)` is spawned as its own task. Streams still
+    /// running when this returns keep their tasks but lose their transport.
+    pub async fn serve<A, H, F>(
+        &self,
+        tcp: TcpStream,
+        authorize: A,
+        handler: H,
+    ) -> Result<(), ServerError>
+    where
+        A: Fn(&ConnectRequest) -> Result<(), StatusCode>,
+        H: Fn(ConnectRequest, H2Stream) -> F,
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let peer = tcp.peer_addr().map_err(ServerError::PeerAddr)?;
+        // Tunnels carry interactive traffic too; h2 batches writes itself.
+        let _ = tcp.set_nodelay(true);
+        let deadline = Instant::now() + self.handshake_timeout;
+        let timed_out = |_| ServerError::HandshakeTimeout {
+            peer,
+            timeout: self.handshake_timeout,
+        };
+
+        let tls = tokio::time::timeout_at(deadline, self.acceptor.accept(tcp))
+            .await
+            .map_err(timed_out)?
+            .map_err(|source| ServerError::Tls { peer, source })?;
+        let identity =
+            peer_identity(tls.get_ref().1).ok_or(ServerError::NoPeerIdentity { peer })?;
+
+        let mut conn = tokio::time::timeout_at(
+            deadline,
+            h2::server::Builder::new()
+                .initial_window_size(STREAM_WINDOW)
+                .initial_connection_window_size(CONNECTION_WINDOW)
+                .max_frame_size(MAX_FRAME_SIZE)
+                .max_send_buffer_size(MAX_SEND_BUFFER)
+                .handshake::<_, Bytes>(tls),
+        )
+        .await
+        .map_err(timed_out)?
+        .map_err(|source| ServerError::H2Handshake {
+            peer,
+            identity: identity.clone(),
+            source,
+        })?;
+        tracing::debug!(%peer, %identity, "HBONE connection established");
+
+        while let Some(next) = conn.accept().await {
+            let (request, mut respond) = match next {
+                Ok(r) => r,
+                Err(source)
+                    if source.is_go_away() && source.reason() == Some(h2::Reason::NO_ERROR) =>
+                {
+                    break;
+                }
+                Err(source) => {
+                    return Err(ServerError::Connection {
+                        peer,
+                        identity,
+                        source,
+                    });
+                }
+            };
+            let (parts, body) = request.into_parts();
+            let decided = check_request(&parts.method, &parts.uri).and_then(|authority| {
+                let request = ConnectRequest {
+                    peer_identity: identity.clone(),
+                    peer_addr: peer,
+                    authority,
+                    headers: parts.headers,
+                };
+                authorize(&request).map(|()| request)
+            });
+            match decided {
+                Err(status) => {
+                    tracing::debug!(%peer, %identity, method = %parts.method, uri = %parts.uri, %status, "HBONE request refused");
+                    let _ = respond.send_response(response(status), true);
+                }
+                Ok(request) => match respond.send_response(response(StatusCode::OK), false) {
+                    Ok(send) => {
+                        tokio::spawn(handler(request, H2Stream::new(send, body)));
+                    }
+                    Err(e) => {
+                        tracing::debug!(%peer, %identity, error = %e, "HBONE stream gone before the 200 was sent");
+                    }
+                },
+            }
+        }
+        tracing::debug!(%peer, %identity, "HBONE connection closed");
+        Ok(())
+    }
+}
+
+/// Only `CONNECT` with `:authority` = `ip:port` passes.
+fn check_request(method: &Method, uri: &Uri) -> Result<SocketAddr, StatusCode> {
+    if method != Method::CONNECT {
+        return Err(StatusCode::METHOD_NOT_ALLOWED);
+    }
+    uri.authority()
+        .and_then(|a| a.as_str().parse::<SocketAddr>().ok())
+        .ok_or(StatusCode::BAD_REQUEST)
+}
+
+fn response(status: StatusCode) -> Response<()> {
+    let mut r = Response::new(());
+    *r.status_mut() = status;
+    r
+}

@@ -1,0 +1,394 @@
+//! The single owner of ztunnel's enrolled pods: uid → (netns, listeners).
+//!
+//! Fed [`InpodCommand`]s by the ZDS client; for each added pod it opens, inside
+//! the pod's netns, listeners on `0.0.0.0` and `[::]` for 15001 (outbound),
+//! 15006 (inbound plaintext) and 15008 (inbound HBONE), and closes them when
+//! the pod is deleted or is missing from the agent's snapshot.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io;
+use std::net::SocketAddr;
+
+use ambit_proto::workload::zds::WorkloadInfo;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+
+use super::netns::{NetnsId, PodNetns, UNSPECIFIED, listener_socket};
+use super::zds::{InpodCommand, InpodEvent};
+use crate::drain::DrainWatcher;
+
+/// Why a pod could not be set up; the text goes back in the ZDS ack.
+#[derive(Debug, thiserror::Error)]
+pub enum InpodError {
+    #[error(
+        "cannot open listeners in the netns {netns} of pod {pod}: {source} (is another process \
+         in the pod using ports 15001/15006/15008?)"
+    )]
+    Listen {
+        pod: String,
+        netns: NetnsId,
+        source: io::Error,
+    },
+    #[error("pod {pod}: the listener setup task failed: {reason}")]
+    Task { pod: String, reason: String },
+    #[error(
+        "KeepWorkload for uid {uid:?}, which this ztunnel does not have; send AddWorkload with \
+         its netns fd instead"
+    )]
+    KeepUnknown { uid: String },
+    #[error("KeepWorkload for uid {uid:?} after SnapshotSent; Keep is only valid in a snapshot")]
+    KeepAfterSnapshot { uid: String },
+}
+
+/// Which listeners each pod gets.
+#[derive(Debug, Clone)]
+pub struct InpodConfig {
+    pub outbound_port: u16,
+    pub inbound_plaintext_port: u16,
+    pub inbound_hbone_port: u16,
+    /// Set `IP_TRANSPARENT` on the 15001/15006 listeners (falls back to
+    /// without it, with a warning, when not permitted).
+    pub transparent: bool,
+}
+
+impl Default for InpodConfig {
+    fn default() -> Self {
+        Self {
+            outbound_port: 15001,
+            inbound_plaintext_port: 15006,
+            inbound_hbone_port: 15008,
+            transparent: true,
+        }
+    }
+}
+
+/// What a listener in a pod is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ListenerRole {
+    Outbound,
+    InboundPlaintext,
+    InboundHbone,
+}
+
+impl ListenerRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Outbound => "outbound",
+            Self::InboundPlaintext => "inbound-plaintext",
+            Self::InboundHbone => "inbound-hbone",
+        }
+    }
+}
+
+/// One enrolled pod as the rest of ztunnel (and tests) see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodSummary {
+    pub uid: String,
+    pub name: String,
+    pub namespace: String,
+    pub service_account: String,
+    pub netns: NetnsId,
+    /// Addresses listened on inside the pod's netns, with their role.
+    pub listeners: Vec<(ListenerRole, SocketAddr)>,
+}
+
+/// The current pods, by uid.
+pub type PodSet = BTreeMap<String, PodSummary>;
+
+/// Handle to a running [`InpodManager`].
+#[derive(Debug)]
+pub struct InpodHandle {
+    /// Give this to [`super::zds::ZdsClient::new`].
+    pub commands: mpsc::Sender<InpodCommand>,
+    /// The pod set, updated before each ack is sent.
+    pub pods: watch::Receiver<PodSet>,
+    /// Ends after draining, once every pod's listeners are closed.
+    pub task: JoinHandle<()>,
+}
+
+struct Pod {
+    netns: PodNetns,
+    summary: PodSummary,
+    accept_tasks: Vec<JoinHandle<()>>,
+}
+
+/// Owns every pod's listeners; driven only through its command channel.
+pub struct InpodManager {
+    cfg: InpodConfig,
+    pods: HashMap<String, Pod>,
+    /// `Some` between a (re)connect and `SnapshotSent`: the uids the agent
+    /// has mentioned so far.
+    seen: Option<HashSet<String>>,
+    published: watch::Sender<PodSet>,
+}
+
+impl InpodManager {
+    /// Starts the owner task.
+    pub fn spawn(cfg: InpodConfig, drain: DrainWatcher) -> InpodHandle {
+        let (commands, rx) = mpsc::channel(64);
+        let (published, pods) = watch::channel(PodSet::new());
+        let manager = Self {
+            cfg,
+            pods: HashMap::new(),
+            seen: None,
+            published,
+        };
+        let task = tokio::spawn(manager.run(rx, drain));
+        InpodHandle {
+            commands,
+            pods,
+            task,
+        }
+    }
+
+    async fn run(mut self, mut rx: mpsc::Receiver<InpodCommand>, drain: DrainWatcher) {
+        loop {
+            let cmd = tokio::select! {
+                _ = drain.signaled() => break,
+                cmd = rx.recv() => match cmd {
+                    Some(cmd) => cmd,
+                    None => break,
+                },
+            };
+            let outcome = self.handle(cmd.event).await.map_err(|e| e.to_string());
+            self.publish();
+            // The client may have gone away meanwhile; nothing to tell then.
+            let _ = cmd.reply.send(outcome);
+        }
+        let uids: Vec<String> = self.pods.keys().cloned().collect();
+        for uid in uids {
+            self.remove(&uid, "ztunnel is shutting down").await;
+        }
+        self.publish();
+    }
+
+    fn publish(&self) {
+        let set: PodSet = self
+            .pods
+            .iter()
+            .map(|(uid, pod)| (uid.clone(), pod.summary.clone()))
+            .collect();
+        self.published.send_if_modified(|current| {
+            if *current == set {
+                false
+            } else {
+                *current = set;
+                true
+            }
+        });
+    }
+
+    async fn handle(&mut self, event: InpodEvent) -> Result<(), InpodError> {
+        match event {
+            InpodEvent::Connected => {
+                self.seen = Some(HashSet::new());
+                Ok(())
+            }
+            InpodEvent::Add { uid, info, netns } => {
+                if let Some(seen) = &mut self.seen {
+                    seen.insert(uid.clone());
+                }
+                self.add(uid, info, netns).await
+            }
+            InpodEvent::Keep { uid } => {
+                let Some(seen) = &mut self.seen else {
+                    return Err(InpodError::KeepAfterSnapshot { uid });
+                };
+                if !self.pods.contains_key(&uid) {
+                    return Err(InpodError::KeepUnknown { uid });
+                }
+                seen.insert(uid);
+                Ok(())
+            }
+            InpodEvent::Del { uid } => {
+                if let Some(seen) = &mut self.seen {
+                    seen.remove(&uid);
+                }
+                // Deleting a pod this ztunnel never had is fine (idempotent).
+                self.remove(&uid, "deleted by the node agent").await;
+                Ok(())
+            }
+            InpodEvent::SnapshotSent => {
+                let Some(seen) = self.seen.take() else {
+                    debug!("ZDS: SnapshotSent outside a snapshot; nothing to reconcile");
+                    return Ok(());
+                };
+                let stale: Vec<String> = self
+                    .pods
+                    .keys()
+                    .filter(|uid| !seen.contains(*uid))
+                    .cloned()
+                    .collect();
+                for uid in stale {
+                    self.remove(&uid, "missing from the node agent's snapshot")
+                        .await;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    async fn add(
+        &mut self,
+        uid: String,
+        info: WorkloadInfo,
+        netns: PodNetns,
+    ) -> Result<(), InpodError> {
+        let pod_name = format!("{}/{} (uid {uid})", info.namespace, info.name);
+        if let Some(existing) = self.pods.get_mut(&uid) {
+            if existing.netns.id() == netns.id() {
+                // A re-add (e.g. after reconnecting): keep the listeners.
+                existing.summary.name = info.name;
+                existing.summary.namespace = info.namespace;
+                existing.summary.service_account = info.service_account;
+                debug!(pod = %pod_name, "ZDS: pod already enrolled in the same netns");
+                return Ok(());
+            }
+            // Same uid, new sandbox: start over in the new netns.
+            self.remove(&uid, "its netns changed").await;
+        }
+
+        let specs = self.listener_specs();
+        let bind_netns = netns.clone();
+        let bound =
+            tokio::task::spawn_blocking(move || bind_netns.run_in(move || bind_all(&specs)))
+                .await
+                .map_err(|e| InpodError::Task {
+                    pod: pod_name.clone(),
+                    reason: e.to_string(),
+                })?
+                .map_err(|source| InpodError::Listen {
+                    pod: pod_name.clone(),
+                    netns: netns.id(),
+                    source,
+                })?;
+
+        let mut accept_tasks = Vec::new();
+        let mut addrs = Vec::new();
+        for (role, addr, listener) in bound {
+            let listener = match tokio::net::TcpListener::from_std(listener) {
+                Ok(l) => l,
+                Err(source) => {
+                    abort_all(accept_tasks).await;
+                    return Err(InpodError::Listen {
+                        pod: pod_name,
+                        netns: netns.id(),
+                        source,
+                    });
+                }
+            };
+            addrs.push((role, addr));
+            accept_tasks.push(tokio::spawn(accept_and_drop(listener, role, uid.clone())));
+        }
+        info!(pod = %pod_name, netns = %netns.id(), listeners = addrs.len(), "in-pod listeners open");
+        let summary = PodSummary {
+            uid: uid.clone(),
+            name: info.name,
+            namespace: info.namespace,
+            service_account: info.service_account,
+            netns: netns.id(),
+            listeners: addrs,
+        };
+        self.pods.insert(
+            uid,
+            Pod {
+                netns,
+                summary,
+                accept_tasks,
+            },
+        );
+        Ok(())
+    }
+
+    fn listener_specs(&self) -> Vec<(ListenerRole, SocketAddr, bool)> {
+        let c = &self.cfg;
+        let ports = [
+            (ListenerRole::Outbound, c.outbound_port, c.transparent),
+            (
+                ListenerRole::InboundPlaintext,
+                c.inbound_plaintext_port,
+                c.transparent,
+            ),
+            (ListenerRole::InboundHbone, c.inbound_hbone_port, false),
+        ];
+        ports
+            .into_iter()
+            .flat_map(|(role, port, transparent)| {
+                UNSPECIFIED
+                    .into_iter()
+                    .map(move |ip| (role, SocketAddr::new(ip, port), transparent))
+            })
+            .collect()
+    }
+
+    /// Closes a pod's listeners; they are closed when this returns.
+    async fn remove(&mut self, uid: &str, why: &str) {
+        let Some(pod) = self.pods.remove(uid) else {
+            debug!(uid, why, "ZDS: no such pod to remove");
+            return;
+        };
+        // TODO(data plane): drain the pod's live connections before closing.
+        abort_all(pod.accept_tasks).await;
+        info!(
+            uid,
+            pod = %format!("{}/{}", pod.summary.namespace, pod.summary.name),
+            why,
+            "in-pod listeners closed"
+        );
+    }
+}
+
+/// Binds every listener in the current (pod) namespace. IPv4 failures are
+/// fatal; IPv6 failures are not (pods without IPv6 are common).
+fn bind_all(
+    specs: &[(ListenerRole, SocketAddr, bool)],
+) -> io::Result<Vec<(ListenerRole, SocketAddr, std::net::TcpListener)>> {
+    let mut out = Vec::with_capacity(specs.len());
+    for &(role, addr, transparent) in specs {
+        let bound = match listener_socket(addr, transparent) {
+            Err(e) if transparent && e.kind() == io::ErrorKind::PermissionDenied => {
+                warn!(%addr, error = %e, "IP_TRANSPARENT not permitted; listening without it");
+                listener_socket(addr, false)
+            }
+            other => other,
+        };
+        match bound {
+            Ok(listener) => out.push((role, addr, listener)),
+            Err(e) if addr.is_ipv6() => {
+                info!(%addr, error = %e, "no IPv6 listener in this pod");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
+async fn abort_all(tasks: Vec<JoinHandle<()>>) {
+    for task in &tasks {
+        task.abort();
+    }
+    // Awaiting makes sure each listener has been dropped (closed).
+    for task in tasks {
+        let _ = task.await;
+    }
+}
+
+/// Placeholder accept loop: accepts and closes.
+// TODO(data plane): hand accepted connections to the outbound (15001),
+// inbound plaintext (15006) and inbound HBONE (15008) proxies.
+async fn accept_and_drop(listener: tokio::net::TcpListener, role: ListenerRole, uid: String) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                debug!(uid, role = role.as_str(), %peer, "accepted; no proxy yet, closing");
+                drop(stream);
+            }
+            Err(e) => {
+                warn!(uid, role = role.as_str(), error = %e, "accept failed");
+                // E.g. out of fds: do not spin.
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
