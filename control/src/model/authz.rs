@@ -200,40 +200,42 @@ fn convert_rule(rule: &AuthorizationRule, action: Action) -> Option<Rule> {
             }
             continue;
         }
-        let (pos, neg) = when_matches(c);
-        clauses.push(Clause { matches: vec![pos] });
-        clauses.push(Clause { matches: vec![neg] });
+        // values and notValues of one condition go into ONE match: a clause
+        // whose only match sets no field never matches (Istio's semantics),
+        // which would make the whole rule unmatchable.
+        clauses.push(Clause {
+            matches: vec![when_match(c)],
+        });
     }
     Some(Rule { clauses })
 }
 
-fn when_matches(c: &Condition) -> (Match, Match) {
-    let mut pos = Match::default();
-    let mut neg = Match::default();
+fn when_match(c: &Condition) -> Match {
+    let mut m = Match::default();
     match c.key.as_str() {
         "source.namespace" => {
-            pos.namespaces = string_matches(&c.values, false);
-            neg.not_namespaces = string_matches(&c.not_values, false);
+            m.namespaces = string_matches(&c.values, false);
+            m.not_namespaces = string_matches(&c.not_values, false);
         }
         "source.principal" => {
-            pos.principals = string_matches(&c.values, true);
-            neg.not_principals = string_matches(&c.not_values, true);
+            m.principals = string_matches(&c.values, true);
+            m.not_principals = string_matches(&c.not_values, true);
         }
         "source.ip" => {
-            pos.source_ips = cidrs(&c.values);
-            neg.not_source_ips = cidrs(&c.not_values);
+            m.source_ips = cidrs(&c.values);
+            m.not_source_ips = cidrs(&c.not_values);
         }
         "destination.ip" => {
-            pos.destination_ips = cidrs(&c.values);
-            neg.not_destination_ips = cidrs(&c.not_values);
+            m.destination_ips = cidrs(&c.values);
+            m.not_destination_ips = cidrs(&c.not_values);
         }
         "destination.port" => {
-            pos.destination_ports = ports(&c.values);
-            neg.not_destination_ports = ports(&c.not_values);
+            m.destination_ports = ports(&c.values);
+            m.not_destination_ports = ports(&c.not_values);
         }
         _ => {}
     }
-    (pos, neg)
+    m
 }
 
 fn cidrs(values: &[String]) -> Vec<AuthzAddress> {
