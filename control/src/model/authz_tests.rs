@@ -122,7 +122,11 @@ spec:
     assert_eq!(deny.scope, Scope::Namespace as i32);
     assert_eq!(deny.action, Action::Deny as i32);
     let c = &deny.rules[0].clauses;
-    assert_eq!(c.len(), 2, "to + one when clause holding values and notValues");
+    assert_eq!(
+        c.len(),
+        2,
+        "to + one when clause holding values and notValues"
+    );
     assert_eq!(
         c[0].matches[0].destination_ports,
         vec![9000],

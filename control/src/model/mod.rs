@@ -23,12 +23,15 @@ pub mod decode;
 mod encode;
 mod istio;
 pub mod objects;
+pub mod peer_authn;
 pub mod snapshot;
 pub mod store;
 pub mod translate;
 
 #[cfg(test)]
 mod authz_tests;
+#[cfg(test)]
+mod peer_authn_tests;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]

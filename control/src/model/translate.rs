@@ -22,7 +22,7 @@ use super::objects::{
 };
 use super::snapshot::XdsResource;
 use super::store::{NamespaceObjects, Store};
-use super::{authz, encode};
+use super::{authz, encode, peer_authn};
 
 /// DNS domain of the cluster (service hostnames `name.ns.svc.<suffix>`).
 pub const DOMAIN_SUFFIX: &str = "cluster.local";
@@ -168,6 +168,7 @@ pub fn translate(store: &Store, opts: &ModelOptions) -> Translated {
         );
     }
     authz::apply_root_policies(&root_policies, &mut wls);
+    peer_authn::apply(store, &mut wls, &mut out.authorizations);
     out.addresses.reserve(wls.len());
     for wl in wls {
         out.addresses.push(encode::workload_resource(wl, &keys));
