@@ -292,3 +292,70 @@ fn strict_mtls_composes_with_allow_policies() {
     );
     assert!(m.allowed(Some(CLIENT), "10.7.0.1", 80));
 }
+
+#[test]
+fn allow_with_http_attributes_without_waypoint_fails_closed() {
+    // Istio: the ALLOW rule with `paths` is omitted; the policy still
+    // selects `web`, so the L4 traffic that rule was written for is denied.
+    let yaml = pod("l7", "web", "10.9.0.1", "app: web")
+        + &pod("l7", "mixed", "10.9.0.2", "app: mixed")
+        + &ap(
+            "l7",
+            "paths",
+            "{selector: {matchLabels: {app: web}}, rules: [{from: [{source: {principals: ['cluster.local/ns/a/sa/client']}}], to: [{operation: {ports: ['8080'], paths: [/api]}}]}]}",
+        )
+        + &ap(
+            "l7",
+            "mixed",
+            "{selector: {matchLabels: {app: mixed}}, rules: [{to: [{operation: {methods: [GET]}}]}, {to: [{operation: {ports: ['9090']}}]}]}",
+        );
+    let m = Mesh::new(&yaml);
+    assert!(!m.allowed(Some(CLIENT), "10.9.0.1", 8080), "fails closed");
+    assert!(!m.allowed(Some(CLIENT), "10.9.0.1", 80));
+    assert!(!m.allowed(None, "10.9.0.1", 8080));
+    // Only the L7 rule is omitted: the L4 rule still allows.
+    assert!(!m.allowed(Some(CLIENT), "10.9.0.2", 80));
+    assert!(m.allowed(Some(CLIENT), "10.9.0.2", 9090));
+}
+
+#[test]
+fn deny_with_http_attributes_denies_the_l4_part() {
+    let yaml = pod("l7d", "web", "10.9.1.1", "app: web")
+        + &ap(
+            "l7d",
+            "deny-get",
+            "{action: DENY, rules: [{to: [{operation: {methods: [GET]}}], from: [{source: {namespaces: [a]}}]}]}",
+        );
+    let m = Mesh::new(&yaml);
+    assert_eq!(
+        denied_by(&m.decide("10.200.0.9", Some(CLIENT), "10.9.1.1", 80)),
+        "l7d/deny-get",
+        "methods dropped: every port from namespace a is denied"
+    );
+    assert!(m.allowed(Some("spiffe://cluster.local/ns/b/sa/x"), "10.9.1.1", 80));
+}
+
+#[test]
+fn custom_audit_and_waypoint_policies_do_not_affect_ztunnel() {
+    let yaml = pod("nz", "web", "10.9.2.1", "app: web")
+        + &ap(
+            "nz",
+            "ext",
+            "{action: CUSTOM, provider: {name: opa}, rules: [{}]}",
+        )
+        + &ap("nz", "audit", "{action: AUDIT, rules: [{}]}")
+        + &ap(
+            "nz",
+            "wp-deny",
+            "{targetRefs: [{kind: Gateway, group: gateway.networking.k8s.io, name: waypoint}], action: DENY, rules: [{}]}",
+        )
+        + &ap(
+            "nz",
+            "svc-allow",
+            "{targetRefs: [{kind: Service, group: '', name: web}], rules: [{from: [{source: {namespaces: [other]}}]}]}",
+        );
+    let m = Mesh::new(&yaml);
+    assert_eq!(m.state.authorization_count(), 0, "nothing sent to ztunnel");
+    assert!(m.allowed(Some(CLIENT), "10.9.2.1", 80));
+    assert!(m.allowed(None, "10.9.2.1", 80));
+}

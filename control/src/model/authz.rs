@@ -7,9 +7,13 @@
 //! * a rule is a list of clauses that must all match: one clause with a
 //!   match per `to` operation, one with a match per `from` source, and two
 //!   per `when` condition (values / notValues);
-//! * L7 attributes cannot be checked by ztunnel: in an ALLOW policy the rule
-//!   holding them never matches (dropped: fails closed), in a DENY policy they
-//!   are ignored (the rule denies more: fails closed too);
+//! * L7 attributes cannot be checked by ztunnel (Istio's list: hosts,
+//!   methods, paths and their negations, requestPrincipals, remoteIpBlocks
+//!   and their negations, `when` keys other than the L4 ones): in an ALLOW
+//!   policy the rule holding them is omitted (it never matches, so what it
+//!   would have allowed is denied when no other rule allows it: fails
+//!   closed), in a DENY policy they are dropped (the rule denies more: fails
+//!   closed too); `decode` logs a warning naming the policy and the fields;
 //! * CUSTOM and AUDIT policies and policies with `targetRef(s)` (waypoint
 //!   policies) are not sent to ztunnel.
 
@@ -21,6 +25,7 @@ use ambit_proto::security::{
 
 use super::objects::{
     AuthorizationAction, AuthorizationPolicy, AuthorizationRule, Cidr, Condition, Labels,
+    Operation, Source,
 };
 use super::snapshot::XdsResource;
 use super::store::NamespaceObjects;
@@ -114,28 +119,59 @@ pub fn convert(ns: &str, pol: &AuthorizationPolicy, is_root: bool) -> Option<Aut
     })
 }
 
-/// True when a policy uses attributes ztunnel cannot check (for warnings).
-pub fn has_l7_attributes(pol: &AuthorizationPolicy) -> bool {
-    pol.spec.rules.iter().any(|r| {
-        r.to.iter().any(|t| {
-            let o = &t.operation;
-            !(o.hosts.is_empty()
-                && o.not_hosts.is_empty()
-                && o.methods.is_empty()
-                && o.not_methods.is_empty()
-                && o.paths.is_empty()
-                && o.not_paths.is_empty())
-        }) || r.from.iter().any(|f| {
-            let s = &f.source;
-            !(s.request_principals.is_empty()
-                && s.not_request_principals.is_empty()
-                && s.remote_ip_blocks.is_empty()
-                && s.not_remote_ip_blocks.is_empty())
-        }) || r
-            .when
-            .iter()
-            .any(|c| !L4_WHEN_KEYS.contains(&c.key.as_str()))
-    })
+/// The HTTP attributes a policy uses that ztunnel cannot check, by their
+/// Istio field names (`when` conditions by key), sorted and deduplicated —
+/// the list Istio puts in its `UnsupportedValue` status ("ztunnel does not
+/// support HTTP attributes (found: ...)"). `remoteIpBlocks` and
+/// `notRemoteIpBlocks` are among them, as in Istio.
+pub fn l7_fields(pol: &AuthorizationPolicy) -> Vec<String> {
+    let mut found: Vec<String> = Vec::new();
+    for r in &pol.spec.rules {
+        for t in &r.to {
+            found.extend(operation_l7(&t.operation).iter().map(|s| s.to_string()));
+        }
+        for f in &r.from {
+            found.extend(source_l7(&f.source).iter().map(|s| s.to_string()));
+        }
+        for c in &r.when {
+            if !L4_WHEN_KEYS.contains(&c.key.as_str()) {
+                found.push(c.key.clone());
+            }
+        }
+    }
+    found.sort();
+    found.dedup();
+    found
+}
+
+/// The warning for a policy that applies to ztunnel and uses HTTP
+/// attributes, or `None`; the wording follows Istio's status message.
+pub fn l7_warning(pol: &AuthorizationPolicy) -> Option<String> {
+    let spec = &pol.spec;
+    if spec.target_ref.is_some() || !spec.target_refs.is_empty() {
+        return None;
+    }
+    let effect = match spec.action {
+        AuthorizationAction::Allow => {
+            "within an ALLOW policy, rules matching HTTP attributes are omitted (they never match)"
+        }
+        AuthorizationAction::Deny => {
+            "a DENY policy with HTTP attributes is enforced without the HTTP rules"
+        }
+        AuthorizationAction::Audit | AuthorizationAction::Custom => return None,
+    };
+    let fields = l7_fields(pol);
+    if fields.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "AuthorizationPolicy {}/{}: ztunnel does not support HTTP attributes (found: {}); \
+         {effect}, which is more restrictive than requested; attach the policy to a \
+         waypoint with targetRefs to enforce them",
+        pol.metadata.namespace,
+        pol.metadata.name,
+        fields.join(", ")
+    ))
 }
 
 const L4_WHEN_KEYS: [&str; 5] = [
@@ -146,41 +182,74 @@ const L4_WHEN_KEYS: [&str; 5] = [
     "destination.port",
 ];
 
+fn operation_l7(o: &Operation) -> Vec<&'static str> {
+    [
+        ("hosts", o.hosts.is_empty()),
+        ("notHosts", o.not_hosts.is_empty()),
+        ("methods", o.methods.is_empty()),
+        ("notMethods", o.not_methods.is_empty()),
+        ("paths", o.paths.is_empty()),
+        ("notPaths", o.not_paths.is_empty()),
+    ]
+    .into_iter()
+    .filter_map(|(name, empty)| (!empty).then_some(name))
+    .collect()
+}
+
+fn source_l7(s: &Source) -> Vec<&'static str> {
+    [
+        ("remoteIpBlocks", s.remote_ip_blocks.is_empty()),
+        ("notRemoteIpBlocks", s.not_remote_ip_blocks.is_empty()),
+        ("requestPrincipals", s.request_principals.is_empty()),
+        ("notRequestPrincipals", s.not_request_principals.is_empty()),
+    ]
+    .into_iter()
+    .filter_map(|(name, empty)| (!empty).then_some(name))
+    .collect()
+}
+
+fn match_is_empty(m: &Match) -> bool {
+    *m == Match::default()
+}
+
+/// One rule. In an ALLOW policy a rule with any HTTP attribute is omitted
+/// (`None`), as Istio does. In a DENY policy the HTTP attributes are
+/// dropped and the L4 part kept; an operation or source that held only
+/// HTTP attributes then matches any connection, so its whole `to` / `from`
+/// clause (an OR) matches anything and is left out — emitting an empty
+/// match instead would make the clause match nothing (ztunnel's semantics)
+/// and the DENY would fail open.
 fn convert_rule(rule: &AuthorizationRule, action: Action) -> Option<Rule> {
     let allow = action == Action::Allow;
     let mut clauses = Vec::new();
     let mut to = Vec::with_capacity(rule.to.len());
+    let mut to_any = false;
     for t in &rule.to {
         let o = &t.operation;
-        let l7 = !(o.hosts.is_empty()
-            && o.not_hosts.is_empty()
-            && o.methods.is_empty()
-            && o.not_methods.is_empty()
-            && o.paths.is_empty()
-            && o.not_paths.is_empty());
+        let l7 = !operation_l7(o).is_empty();
         if allow && l7 {
             return None;
         }
-        to.push(Match {
+        let m = Match {
             destination_ports: o.ports.iter().map(|p| p.0.into()).collect(),
             not_destination_ports: o.not_ports.iter().map(|p| p.0.into()).collect(),
             ..Default::default()
-        });
+        };
+        to_any |= l7 && match_is_empty(&m);
+        to.push(m);
     }
-    if !to.is_empty() {
+    if !to.is_empty() && !to_any {
         clauses.push(Clause { matches: to });
     }
     let mut from = Vec::with_capacity(rule.from.len());
+    let mut from_any = false;
     for f in &rule.from {
         let s = &f.source;
-        let l7 = !(s.request_principals.is_empty()
-            && s.not_request_principals.is_empty()
-            && s.remote_ip_blocks.is_empty()
-            && s.not_remote_ip_blocks.is_empty());
+        let l7 = !source_l7(s).is_empty();
         if allow && l7 {
             return None;
         }
-        from.push(Match {
+        let m = Match {
             namespaces: string_matches(&s.namespaces, false),
             not_namespaces: string_matches(&s.not_namespaces, false),
             principals: string_matches(&s.principals, true),
@@ -188,9 +257,11 @@ fn convert_rule(rule: &AuthorizationRule, action: Action) -> Option<Rule> {
             source_ips: s.ip_blocks.iter().map(cidr).collect(),
             not_source_ips: s.not_ip_blocks.iter().map(cidr).collect(),
             ..Default::default()
-        });
+        };
+        from_any |= l7 && match_is_empty(&m);
+        from.push(m);
     }
-    if !from.is_empty() {
+    if !from.is_empty() && !from_any {
         clauses.push(Clause { matches: from });
     }
     for c in &rule.when {

@@ -161,3 +161,236 @@ spec:
         "root selector policies select in every namespace"
     );
 }
+
+fn policy_yaml(name: &str, spec: &str) -> String {
+    format!(
+        "---\napiVersion: security.istio.io/v1\nkind: AuthorizationPolicy\nmetadata: {{name: {name}, namespace: a}}\nspec: {spec}\n"
+    )
+}
+
+fn parse_policy(spec: &str) -> super::objects::AuthorizationPolicy {
+    let (objs, errs) =
+        crate::source::parse_documents(std::path::Path::new("t.yaml"), &policy_yaml("p", spec));
+    assert!(errs.is_empty(), "{errs:#?}");
+    objs.into_iter()
+        .find_map(|o| match o {
+            super::objects::Object::AuthorizationPolicy(p) => Some(p),
+            _ => None,
+        })
+        .unwrap()
+}
+
+/// Istio (ambient/authorization.go `handleRule`): in an ALLOW policy a rule
+/// with any HTTP attribute is omitted, the other rules are kept; the policy
+/// stays an ALLOW, so with every rule omitted it allows nothing.
+#[test]
+fn allow_rules_with_http_attributes_are_omitted() {
+    // (case, rules, rules kept)
+    let cases: &[(&str, &str, usize)] = &[
+        ("methods", "[{to: [{operation: {methods: [GET]}}]}]", 0),
+        (
+            "notMethods",
+            "[{to: [{operation: {notMethods: [GET]}}]}]",
+            0,
+        ),
+        (
+            "paths",
+            "[{to: [{operation: {paths: [/x], ports: ['80']}}]}]",
+            0,
+        ),
+        ("notPaths", "[{to: [{operation: {notPaths: [/x]}}]}]", 0),
+        ("hosts", "[{to: [{operation: {hosts: [a.b]}}]}]", 0),
+        ("notHosts", "[{to: [{operation: {notHosts: [a.b]}}]}]", 0),
+        (
+            "requestPrincipals",
+            "[{from: [{source: {requestPrincipals: ['*']}}]}]",
+            0,
+        ),
+        (
+            "notRequestPrincipals",
+            "[{from: [{source: {notRequestPrincipals: ['*']}}]}]",
+            0,
+        ),
+        (
+            "remoteIpBlocks",
+            "[{from: [{source: {remoteIpBlocks: [10.0.0.0/8]}}]}]",
+            0,
+        ),
+        (
+            "notRemoteIpBlocks",
+            "[{from: [{source: {notRemoteIpBlocks: [10.0.0.0/8]}}]}]",
+            0,
+        ),
+        (
+            "when request.headers",
+            "[{when: [{key: 'request.headers[x]', values: [y]}]}]",
+            0,
+        ),
+        (
+            "one L7 rule among L4 rules",
+            "[{to: [{operation: {ports: ['80']}}]}, {to: [{operation: {methods: [GET]}}]}, {from: [{source: {namespaces: [b]}}]}]",
+            2,
+        ),
+        (
+            "L4 when keys are kept",
+            "[{when: [{key: source.ip, values: [1.2.3.4]}, {key: destination.port, values: ['80']}]}]",
+            1,
+        ),
+    ];
+    for (case, rules, kept) in cases {
+        let out = build(&policy_yaml(
+            "p",
+            &format!("{{action: ALLOW, rules: {rules}}}"),
+        ));
+        let p = out.policies.get("a/p").unwrap_or_else(|| panic!("{case}"));
+        assert_eq!(p.action, Action::Allow as i32, "{case}: stays an ALLOW");
+        assert_eq!(p.rules.len(), *kept, "{case}");
+    }
+}
+
+/// Istio: a DENY policy with HTTP attributes is enforced without them. An
+/// operation/source holding only HTTP attributes then matches anything, so
+/// its clause is left out (an empty match would match nothing and the DENY
+/// would fail open).
+#[test]
+fn deny_rules_drop_http_attributes() {
+    // (case, rules, clauses per rule, first clause's destination ports)
+    let cases: &[(&str, &str, usize, Vec<u32>)] = &[
+        (
+            "methods only",
+            "[{to: [{operation: {methods: [GET]}}]}]",
+            0,
+            vec![],
+        ),
+        (
+            "paths and ports",
+            "[{to: [{operation: {paths: [/x], ports: ['80']}}]}]",
+            1,
+            vec![80],
+        ),
+        (
+            "one L7-only operation among others",
+            "[{to: [{operation: {ports: ['80']}}, {operation: {methods: [GET]}}]}]",
+            0,
+            vec![],
+        ),
+        (
+            "requestPrincipals only, with a to",
+            "[{from: [{source: {requestPrincipals: ['*']}}], to: [{operation: {ports: ['81']}}]}]",
+            1,
+            vec![81],
+        ),
+        (
+            "remoteIpBlocks only",
+            "[{from: [{source: {remoteIpBlocks: [10.0.0.0/8]}}]}]",
+            0,
+            vec![],
+        ),
+        (
+            "non-L4 when key",
+            "[{to: [{operation: {ports: ['82']}}], when: [{key: 'request.auth.claims[iss]', values: [x]}]}]",
+            1,
+            vec![82],
+        ),
+    ];
+    for (case, rules, clauses, ports) in cases {
+        let out = build(&policy_yaml(
+            "p",
+            &format!("{{action: DENY, rules: {rules}}}"),
+        ));
+        let p = &out.policies["a/p"];
+        assert_eq!(p.action, Action::Deny as i32, "{case}");
+        assert_eq!(p.rules.len(), 1, "{case}: the rule is kept");
+        let c = &p.rules[0].clauses;
+        assert_eq!(c.len(), *clauses, "{case}");
+        if let Some(first) = c.first() {
+            assert_eq!(&first.matches[0].destination_ports, ports, "{case}");
+        }
+        assert!(
+            c.iter()
+                .all(|c| c.matches.iter().all(|m| *m != Default::default())),
+            "{case}: no empty match"
+        );
+    }
+}
+
+/// CUSTOM and AUDIT (Istio: "ztunnel does not support the X action") and
+/// policies with targetRef(s) (Istio: "TargetRef is not intended for
+/// ztunnel") produce no Authorization; selected workloads do not list them.
+#[test]
+fn not_for_ztunnel() {
+    let cases: &[(&str, &str)] = &[
+        (
+            "custom",
+            "{action: CUSTOM, provider: {name: opa}, rules: [{}]}",
+        ),
+        ("audit", "{action: AUDIT, rules: [{}]}"),
+        (
+            "targetRefs gateway",
+            "{targetRefs: [{kind: Gateway, group: gateway.networking.k8s.io, name: waypoint}], action: DENY, rules: [{}]}",
+        ),
+        (
+            "targetRefs service",
+            "{targetRefs: [{kind: Service, group: '', name: web}], rules: [{to: [{operation: {methods: [GET]}}]}]}",
+        ),
+        (
+            "targetRef",
+            "{targetRef: {kind: Gateway, group: gateway.networking.k8s.io, name: waypoint}, action: DENY, rules: [{}]}",
+        ),
+    ];
+    for (case, spec) in cases {
+        let yaml = pod("a", "web", "10.0.0.1", "app: web")
+            + &policy_yaml(
+                "p",
+                &spec.replacen('{', "{selector: {matchLabels: {app: web}}, ", 1),
+            );
+        let out = build(&yaml);
+        assert!(out.policies.is_empty(), "{case}: {:?}", out.policies);
+        assert!(
+            out.workloads[&uid("a", "web")]
+                .authorization_policies
+                .is_empty(),
+            "{case}"
+        );
+    }
+}
+
+/// The warning names the policy and Istio's field names; none for L4-only,
+/// waypoint, CUSTOM or AUDIT policies.
+#[test]
+fn l7_warning_names_policy_and_fields() {
+    let cases: &[(&str, Option<&str>)] = &[
+        (
+            "{rules: [{to: [{operation: {paths: [/x], methods: [GET]}}], from: [{source: {remoteIpBlocks: [1.2.3.4]}}], when: [{key: 'request.headers[x]', values: [y]}]}]}",
+            Some(
+                "a/p: ztunnel does not support HTTP attributes (found: methods, paths, remoteIpBlocks, request.headers[x]); within an ALLOW policy",
+            ),
+        ),
+        (
+            "{action: DENY, rules: [{to: [{operation: {notHosts: [h]}}]}]}",
+            Some(
+                "(found: notHosts); a DENY policy with HTTP attributes is enforced without the HTTP rules",
+            ),
+        ),
+        (
+            "{rules: [{from: [{source: {ipBlocks: [1.2.3.4]}}], when: [{key: destination.port, values: ['80']}]}]}",
+            None,
+        ),
+        (
+            "{targetRefs: [{kind: Gateway, group: gateway.networking.k8s.io, name: w}], rules: [{to: [{operation: {methods: [GET]}}]}]}",
+            None,
+        ),
+        (
+            "{action: CUSTOM, provider: {name: x}, rules: [{to: [{operation: {methods: [GET]}}]}]}",
+            None,
+        ),
+    ];
+    for (spec, want) in cases {
+        let got = super::authz::l7_warning(&parse_policy(spec));
+        match (want, &got) {
+            (None, None) => {}
+            (Some(w), Some(g)) => assert!(g.contains(w), "{spec}: {g}"),
+            _ => panic!("{spec}: {got:?}"),
+        }
+    }
+}

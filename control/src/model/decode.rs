@@ -452,12 +452,9 @@ fn validate_policy(ap: &AuthorizationPolicy) -> Result<(), String> {
         ap.spec.action,
         AuthorizationAction::Audit | AuthorizationAction::Custom
     ) {
-        warn!(namespace = %ns, name = %name, action = ?ap.spec.action, "AuthorizationPolicy with a CUSTOM or AUDIT action is accepted but not enforced by ztunnel");
-    } else if authz::has_l7_attributes(ap)
-        && ap.spec.target_ref.is_none()
-        && ap.spec.target_refs.is_empty()
-    {
-        warn!(namespace = %ns, name = %name, "AuthorizationPolicy uses HTTP attributes ztunnel cannot check: ALLOW rules using them never match, DENY rules ignore them (deny more); attach the policy to a waypoint with targetRefs to enforce them");
+        warn!(namespace = %ns, name = %name, action = ?ap.spec.action, "AuthorizationPolicy {ns}/{name}: ztunnel does not support the {} action; accepted but not enforced (no policy is sent to ztunnel)", if ap.spec.action == AuthorizationAction::Custom { "CUSTOM" } else { "AUDIT" });
+    } else if let Some(msg) = authz::l7_warning(ap) {
+        warn!(namespace = %ns, name = %name, "{msg}");
     }
     Ok(())
 }

@@ -29,6 +29,7 @@
 #![forbid(unsafe_code)]
 
 pub mod client;
+pub mod pool;
 pub mod server;
 mod stream;
 pub mod tls;
@@ -37,6 +38,7 @@ pub mod tls;
 mod tests;
 
 pub use client::{ClientError, HboneClient, HboneConnection};
+pub use pool::{HbonePool, PoolConfig, PoolError, PoolKey, PooledStream};
 pub use server::{ConnectRequest, HboneServer, ServerError};
 pub use stream::H2Stream;
 pub use tls::{TlsError, client_config, peer_identity, server_config};
