@@ -18,6 +18,7 @@ pub mod hbone;
 pub mod identity;
 pub mod inpod;
 pub mod metrics;
+pub mod proxy;
 pub mod rbac;
 pub mod state;
 pub mod xds;

@@ -125,6 +125,8 @@ pub struct Metrics {
     registry: Registry,
     /// xDS client metrics.
     pub xds: XdsMetrics,
+    /// Istio TCP connection metrics of the proxies.
+    pub tcp: crate::proxy::metrics::TcpMetrics,
 }
 
 impl Default for Metrics {
@@ -189,7 +191,9 @@ impl Metrics {
             "xDS resources currently held, by type url",
             xds.resources.clone(),
         );
-        Self { registry, xds }
+        let tcp = crate::proxy::metrics::TcpMetrics::default();
+        tcp.register(&mut registry);
+        Self { registry, xds, tcp }
     }
 
     /// The registry, to register other components' metrics (before the
