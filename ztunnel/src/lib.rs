@@ -27,3 +27,6 @@ pub use app::{AppError, StartOptions, Ztunnel, start, start_with};
 pub use config::Config;
 pub use metrics::Metrics;
 pub use state::{StateReader, StateSnapshot};
+
+#[cfg(test)]
+mod test_support;

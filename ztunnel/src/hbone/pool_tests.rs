@@ -9,13 +9,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use hyper::http::HeaderMap;
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose, SanType,
-};
-use rustls::pki_types::CertificateDer;
-use rustls::pki_types::pem::PemObject;
-use time::OffsetDateTime;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -26,77 +19,9 @@ use super::*;
 use crate::copy::{CopyConfig, copy_bidirectional};
 use crate::hbone::{HboneServer, ServerError, client_config, server_config};
 use crate::identity::{Identity, TrustBundle, WorkloadCertificate};
+use crate::test_support::{TestCa, echo_server, id};
 
 const WAIT: Duration = Duration::from_secs(30);
-
-fn id(sa: &str) -> Identity {
-    Identity::new("cluster.local", "default", sa)
-}
-
-struct TestCa {
-    issuer: Issuer<'static, KeyPair>,
-    root_pem: String,
-}
-
-impl TestCa {
-    fn new() -> Self {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::default();
-        params
-            .distinguished_name
-            .push(DnType::CommonName, "pool test root");
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let root = params.self_signed(&key).unwrap();
-        Self {
-            issuer: Issuer::new(params, key),
-            root_pem: root.pem(),
-        }
-    }
-
-    fn bundle(&self) -> TrustBundle {
-        TrustBundle {
-            roots: vec![CertificateDer::from_pem_slice(self.root_pem.as_bytes()).unwrap()],
-        }
-    }
-
-    fn issue(&self, identity: &Identity) -> WorkloadCertificate {
-        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
-        let mut params = CertificateParams::default();
-        params.subject_alt_names = vec![SanType::URI(identity.to_string().try_into().unwrap())];
-        let now = OffsetDateTime::now_utc();
-        params.not_before = now - Duration::from_secs(300);
-        params.not_after = now + Duration::from_secs(3600);
-        params.key_usages = vec![
-            KeyUsagePurpose::DigitalSignature,
-            KeyUsagePurpose::KeyEncipherment,
-        ];
-        params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        let leaf = params.signed_by(&key, &self.issuer).unwrap();
-        WorkloadCertificate::from_chain(identity, &key, vec![leaf.pem(), self.root_pem.clone()])
-            .unwrap()
-    }
-}
-
-/// A TCP echo server on 127.0.0.1 (echoes, then half-closes on EOF).
-async fn echo_server() -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let Ok((s, _)) = l.accept().await else { return };
-            tokio::spawn(async move {
-                let (mut r, mut w) = s.into_split();
-                let _ = tokio::io::copy(&mut r, &mut w).await;
-                let _ = w.shutdown().await;
-            });
-        }
-    });
-    addr
-}
 
 /// An HBONE server standing in for a pod's :15008: accepts every CONNECT
 /// and copies it to its authority; counts accepted TCP connections and
@@ -192,7 +117,7 @@ struct Mesh {
 
 impl Mesh {
     async fn new() -> Self {
-        let ca = TestCa::new();
+        let ca = TestCa::new("pool test");
         let client = ca.issue(&id("client"));
         Self {
             echo: echo_server().await,

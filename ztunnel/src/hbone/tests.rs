@@ -10,13 +10,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use hyper::http::{HeaderMap, HeaderValue, Method, Request, StatusCode};
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose, SanType,
-};
-use rustls::pki_types::CertificateDer;
-use rustls::pki_types::pem::PemObject;
-use time::OffsetDateTime;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -26,85 +19,14 @@ use tokio::time::timeout;
 use super::*;
 use crate::copy::{CopyConfig, copy_bidirectional};
 use crate::identity::{Identity, TrustBundle, WorkloadCertificate};
+use crate::test_support::{TestCa, echo_server, id};
 
 const WAIT: Duration = Duration::from_secs(30);
-
-fn id(sa: &str) -> Identity {
-    Identity::new("cluster.local", "default", sa)
-}
-
-/// An in-test CA: a self-signed root and its key.
-struct TestCa {
-    issuer: Issuer<'static, KeyPair>,
-    root_pem: String,
-}
-
-impl TestCa {
-    fn new(name: &str) -> Self {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::default();
-        params
-            .distinguished_name
-            .push(DnType::CommonName, format!("{name} root"));
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let root = params.self_signed(&key).unwrap();
-        Self {
-            issuer: Issuer::new(params, key),
-            root_pem: root.pem(),
-        }
-    }
-
-    fn bundle(&self) -> TrustBundle {
-        TrustBundle {
-            roots: vec![CertificateDer::from_pem_slice(self.root_pem.as_bytes()).unwrap()],
-        }
-    }
-
-    /// A workload certificate for `identity`, signed like the mesh CA does
-    /// (one URI SAN, server and client auth).
-    fn issue(&self, identity: &Identity) -> WorkloadCertificate {
-        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
-        let mut params = CertificateParams::default();
-        params.subject_alt_names = vec![SanType::URI(identity.to_string().try_into().unwrap())];
-        let now = OffsetDateTime::now_utc();
-        params.not_before = now - Duration::from_secs(300);
-        params.not_after = now + Duration::from_secs(3600);
-        params.key_usages = vec![
-            KeyUsagePurpose::DigitalSignature,
-            KeyUsagePurpose::KeyEncipherment,
-        ];
-        params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        let leaf = params.signed_by(&key, &self.issuer).unwrap();
-        WorkloadCertificate::from_chain(identity, &key, vec![leaf.pem(), self.root_pem.clone()])
-            .unwrap()
-    }
-}
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| ((i * 31 + seed as usize) % 251) as u8)
         .collect()
-}
-
-/// A TCP echo server on 127.0.0.1 (echoes, then half-closes on EOF).
-async fn echo_server() -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let Ok((s, _)) = l.accept().await else { return };
-            tokio::spawn(async move {
-                let (mut r, mut w) = s.into_split();
-                let _ = tokio::io::copy(&mut r, &mut w).await;
-                let _ = w.shutdown().await;
-            });
-        }
-    });
-    addr
 }
 
 /// An HBONE server on 127.0.0.1 standing in for a pod's :15008. It allows

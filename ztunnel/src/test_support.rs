@@ -1,0 +1,91 @@
+//! Test support shared by the ztunnel's unit tests: an in-test CA that
+//! issues workload certificates like the mesh CA does, and a TCP echo server.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose, SanType,
+};
+use rustls::pki_types::CertificateDer;
+use rustls::pki_types::pem::PemObject;
+use time::OffsetDateTime;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpListener;
+
+use crate::identity::{Identity, TrustBundle, WorkloadCertificate};
+
+/// `spiffe://cluster.local/ns/default/sa/<sa>`.
+pub(crate) fn id(sa: &str) -> Identity {
+    Identity::new("cluster.local", "default", sa)
+}
+
+/// An in-test CA: a self-signed root and its key.
+pub(crate) struct TestCa {
+    issuer: Issuer<'static, KeyPair>,
+    root_pem: String,
+}
+
+impl TestCa {
+    pub(crate) fn new(name: &str) -> Self {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::default();
+        params
+            .distinguished_name
+            .push(DnType::CommonName, format!("{name} root"));
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let root = params.self_signed(&key).unwrap();
+        Self {
+            issuer: Issuer::new(params, key),
+            root_pem: root.pem(),
+        }
+    }
+
+    pub(crate) fn bundle(&self) -> TrustBundle {
+        TrustBundle {
+            roots: vec![CertificateDer::from_pem_slice(self.root_pem.as_bytes()).unwrap()],
+        }
+    }
+
+    /// A workload certificate for `identity`, signed like the mesh CA does
+    /// (one URI SAN, server and client auth).
+    pub(crate) fn issue(&self, identity: &Identity) -> WorkloadCertificate {
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let mut params = CertificateParams::default();
+        params.subject_alt_names = vec![SanType::URI(identity.to_string().try_into().unwrap())];
+        let now = OffsetDateTime::now_utc();
+        params.not_before = now - Duration::from_secs(300);
+        params.not_after = now + Duration::from_secs(3600);
+        params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let leaf = params.signed_by(&key, &self.issuer).unwrap();
+        WorkloadCertificate::from_chain(identity, &key, vec![leaf.pem(), self.root_pem.clone()])
+            .unwrap()
+    }
+}
+
+/// A TCP echo server on 127.0.0.1 (echoes, then half-closes on EOF).
+pub(crate) async fn echo_server() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = l.accept().await else { return };
+            tokio::spawn(async move {
+                let (mut r, mut w) = s.into_split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+                let _ = w.shutdown().await;
+            });
+        }
+    });
+    addr
+}
