@@ -4,8 +4,14 @@
 # Usage: scripts/demo.sh [CONFIG_DIR] [--keep]   (--keep leaves them running until Ctrl-C)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-dir=${1:-deploy/local/demo}
-keep=${2:-}
+dir=deploy/local/demo
+keep=
+for arg in "$@"; do
+  case "$arg" in
+    --keep) keep=--keep ;;
+    *) dir=$arg ;;
+  esac
+done
 state=$(mktemp -d /tmp/ambit-demo.XXXXXX)
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
