@@ -363,18 +363,7 @@ mod tests {
         });
         const LEN: usize = 64 * 1024 * 1024;
         let data = pattern(LEN);
-        let (mut r, mut w) = client.into_split();
-        let sent = data.clone();
-        let writer = tokio::spawn(async move {
-            w.write_all(&sent).await.unwrap();
-            w.shutdown().await.unwrap();
-        });
-        let mut got = Vec::with_capacity(LEN);
-        timeout(WAIT, r.read_to_end(&mut got))
-            .await
-            .unwrap()
-            .unwrap();
-        writer.await.unwrap();
+        let got = crate::test_support::roundtrip(client, data.clone()).await;
         assert_eq!(got.len(), LEN);
         assert!(got == data, "payload corrupted");
         assert_eq!(echo.await.unwrap(), LEN as u64);

@@ -12,7 +12,7 @@ use rcgen::{
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 use time::OffsetDateTime;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 use crate::identity::{Identity, TrustBundle, WorkloadCertificate};
@@ -88,4 +88,24 @@ pub(crate) async fn echo_server() -> SocketAddr {
         }
     });
     addr
+}
+
+/// Writes `data` to `stream`, half-closes it, and returns everything read
+/// back until EOF (at most 30 s).
+pub(crate) async fn roundtrip<S: AsyncRead + AsyncWrite + Send + 'static>(
+    stream: S,
+    data: Vec<u8>,
+) -> Vec<u8> {
+    let (mut r, mut w) = tokio::io::split(stream);
+    let writer = tokio::spawn(async move {
+        w.write_all(&data).await.unwrap();
+        w.shutdown().await.unwrap();
+    });
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), r.read_to_end(&mut got))
+        .await
+        .expect("echo not complete within 30 s")
+        .unwrap();
+    writer.await.unwrap();
+    got
 }

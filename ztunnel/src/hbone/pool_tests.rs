@@ -9,7 +9,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use hyper::http::HeaderMap;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
@@ -19,7 +18,7 @@ use super::*;
 use crate::copy::{CopyConfig, copy_bidirectional};
 use crate::hbone::{HboneServer, ServerError, client_config, server_config};
 use crate::identity::{Identity, TrustBundle, WorkloadCertificate};
-use crate::test_support::{TestCa, echo_server, id};
+use crate::test_support::{TestCa, echo_server, id, roundtrip};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -87,25 +86,6 @@ async fn start_server(
 
 fn any_port() -> SocketAddr {
     "127.0.0.1:0".parse().unwrap()
-}
-
-/// Writes `data`, half-closes, reads the echo.
-async fn roundtrip<S: AsyncRead + AsyncWrite + Send + 'static>(
-    stream: S,
-    data: Vec<u8>,
-) -> Vec<u8> {
-    let (mut r, mut w) = tokio::io::split(stream);
-    let writer = tokio::spawn(async move {
-        w.write_all(&data).await.unwrap();
-        w.shutdown().await.unwrap();
-    });
-    let mut got = Vec::new();
-    timeout(WAIT, r.read_to_end(&mut got))
-        .await
-        .unwrap()
-        .unwrap();
-    writer.await.unwrap();
-    got
 }
 
 /// A CA, an echo app, and a client workload.

@@ -19,7 +19,7 @@ use tokio::time::timeout;
 use super::*;
 use crate::copy::{CopyConfig, copy_bidirectional};
 use crate::identity::{Identity, TrustBundle, WorkloadCertificate};
-use crate::test_support::{TestCa, echo_server, id};
+use crate::test_support::{TestCa, echo_server, id, roundtrip};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -112,22 +112,6 @@ async fn client(
         .unwrap()
 }
 
-/// Sends `data` through a tunnel stream, half-closes, reads the echo.
-async fn roundtrip(stream: H2Stream, data: Vec<u8>) -> Vec<u8> {
-    let (mut r, mut w) = tokio::io::split(stream);
-    let writer = tokio::spawn(async move {
-        w.write_all(&data).await.unwrap();
-        w.shutdown().await.unwrap();
-    });
-    let mut got = Vec::new();
-    timeout(WAIT, r.read_to_end(&mut got))
-        .await
-        .unwrap()
-        .unwrap();
-    writer.await.unwrap();
-    got
-}
-
 struct Mesh {
     ca: TestCa,
     client_id: Identity,
@@ -183,19 +167,8 @@ async fn echo_16mib_through_connect_with_the_copy_loop() {
     const LEN: usize = 16 * 1024 * 1024;
     let data = pattern(LEN, 7);
     let app = TcpStream::connect(outbound_addr).await.unwrap();
-    let (mut r, mut w) = app.into_split();
-    let sent = data.clone();
-    let writer = tokio::spawn(async move {
-        w.write_all(&sent).await.unwrap();
-        // Half-close: the rest of the echo must still arrive.
-        w.shutdown().await.unwrap();
-    });
-    let mut got = Vec::with_capacity(LEN);
-    timeout(WAIT, r.read_to_end(&mut got))
-        .await
-        .unwrap()
-        .unwrap();
-    writer.await.unwrap();
+    // Half-closes after writing: the rest of the echo must still arrive.
+    let got = roundtrip(app, data.clone()).await;
     assert_eq!(got.len(), LEN);
     assert!(got == data, "payload corrupted in the tunnel");
     let counts = timeout(WAIT, proxy).await.unwrap().unwrap().unwrap();
