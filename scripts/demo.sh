@@ -38,6 +38,7 @@ echo "==> starting ztunnel for node-1 over TLS (admin 127.0.0.1:15000, metrics :
 target/release/ztunnel --xds-address https://127.0.0.1:15012 --node-name node-1 \
   --token-file "$state/node-1.token" --root-cert "$state/data/ca/root-cert.pem" \
   --stats-addr 127.0.0.1:15020 --readiness-addr 127.0.0.1:15021 \
+  --zds-path "" \
   >"$state/ztunnel.log" 2>&1 &
 pids+=($!)
 

@@ -16,8 +16,13 @@ use tracing::{Instrument, info, info_span, warn};
 use crate::admin::{self, AdminContext, AdminError, Listener, LogControl};
 use crate::config::Config;
 use crate::drain::{self, DRAIN_DEADLINE, DrainTrigger, DrainWatcher};
-use crate::identity::{CertificateManager, Identity, IdentityError};
+use crate::hbone::HbonePool;
+use crate::identity::IdentityError;
+use crate::identity::{CertificateManager, Identity};
+use crate::inpod::{InpodConfig, InpodManager, PodSet, ZdsClient, ZdsClientConfig};
 use crate::metrics::Metrics;
+use crate::proxy::{ProxyConfig, ProxyContext, workload_identity};
+use crate::rbac::PolicyCache;
 use crate::state::{StateReader, StateSnapshot, TunnelProtocol, new_state};
 use crate::xds::{XdsClient, XdsClientConfig, XdsError, XdsHandle};
 
@@ -56,6 +61,8 @@ pub struct Ztunnel {
     metrics: Arc<Metrics>,
     xds: XdsHandle,
     certificates: CertificateManager,
+    pool: HbonePool,
+    pods: watch::Receiver<PodSet>,
     drain: DrainTrigger,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -105,9 +112,45 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
         certificates: Some(certificates.clone()),
     });
     let certificates_handle = certificates.clone();
+    let pool = HbonePool::default();
+    let policies = Arc::new(PolicyCache::new());
 
     let span = info_span!("ztunnel", node = %config.node_name);
-    let tasks = vec![
+    let mut tasks = Vec::new();
+    let (_, no_pods) = watch::channel(PodSet::new());
+    let mut pods = no_pods;
+    if let Some(path) = config.zds_socket() {
+        let ctx = Arc::new(ProxyContext::new(
+            config.node_name.clone(),
+            config.cluster_id.clone(),
+            &config.network,
+            reader.clone(),
+            certificates.clone(),
+            pool.clone(),
+            metrics.tcp.clone(),
+            policies.clone(),
+            ProxyConfig {
+                inbound_transparent: config.inbound_transparent,
+                ..ProxyConfig::default()
+            },
+        ));
+        let inpod = InpodManager::spawn(InpodConfig::default(), watcher.clone(), Some(ctx));
+        pods = inpod.pods.clone();
+        let zds = ZdsClient::new(ZdsClientConfig::new(path), inpod.commands);
+        tasks.push(tokio::spawn(
+            zds.run(watcher.clone()).instrument(span.clone()),
+        ));
+        tasks.push(tokio::spawn(
+            async move {
+                let _ = inpod.task.await;
+            }
+            .instrument(span.clone()),
+        ));
+        tasks.push(tokio::spawn(
+            refresh_policies(reader.clone(), policies, watcher.clone()).instrument(span.clone()),
+        ));
+    }
+    tasks.extend([
         tokio::spawn(xds_client.run(watcher.clone()).instrument(span.clone())),
         tokio::spawn(
             track_local_identities(
@@ -129,7 +172,7 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
         tokio::spawn(
             admin::serve(ready_tcp, Listener::Readiness, ctx, watcher).instrument(span.clone()),
         ),
-    ];
+    ]);
     span.in_scope(|| {
         info!(
             xds = %config.xds_address,
@@ -151,6 +194,8 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
         metrics,
         xds,
         certificates: certificates_handle,
+        pool,
+        pods,
         drain,
         tasks,
     })
@@ -213,6 +258,17 @@ impl Ztunnel {
         &self.certificates
     }
 
+    /// The pods enrolled through ZDS, with their listeners (empty when
+    /// in-pod capture is off).
+    pub fn pods(&self) -> watch::Receiver<PodSet> {
+        self.pods.clone()
+    }
+
+    /// The outbound HBONE connection pool.
+    pub fn pool(&self) -> &HbonePool {
+        &self.pool
+    }
+
     /// Handle for on-demand xDS requests.
     pub fn xds(&self) -> &XdsHandle {
         &self.xds
@@ -257,19 +313,7 @@ async fn track_local_identities(
         let wanted: HashSet<Identity> = snap
             .workloads()
             .filter(|w| w.node == node && w.protocol == TunnelProtocol::Hbone)
-            .map(|w| {
-                let td = if w.trust_domain.is_empty() {
-                    DEFAULT_TRUST_DOMAIN
-                } else {
-                    &w.trust_domain
-                };
-                let sa = if w.service_account.is_empty() {
-                    "default"
-                } else {
-                    &w.service_account
-                };
-                Identity::new(td, &w.namespace, sa)
-            })
+            .map(|w| workload_identity(w))
             .collect();
         drop(snap);
         certificates.prefetch(wanted.difference(&held).cloned());
@@ -284,5 +328,15 @@ async fn track_local_identities(
     }
 }
 
-/// Trust domain of workloads that do not name one.
-const DEFAULT_TRUST_DOMAIN: &str = "cluster.local";
+/// Keeps the policy index at the latest state, so connections never pay
+/// for building it.
+async fn refresh_policies(state: StateReader, policies: Arc<PolicyCache>, drain: DrainWatcher) {
+    let mut generation = state.generation();
+    loop {
+        policies.refresh(&state.load());
+        tokio::select! {
+            changed = generation.changed() => if changed.is_err() { return },
+            _ = drain.signaled() => return,
+        }
+    }
+}

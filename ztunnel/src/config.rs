@@ -5,6 +5,7 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::PathBuf;
 
 use clap::Parser;
+use clap::builder::TypedValueParser as _;
 
 /// Plaintext xDS endpoint of a local control plane (SPEC §2, port 15010).
 pub const DEFAULT_XDS_ADDRESS: &str = "http://127.0.0.1:15010";
@@ -74,6 +75,19 @@ pub struct Config {
     /// Network this node belongs to; the empty string is the default network.
     #[arg(long, env = "NETWORK", default_value = "")]
     pub network: String,
+
+    /// Unix socket of the node agent (ZDS), which hands enrolled pods to
+    /// this ztunnel. Set it to an empty string to run without in-pod
+    /// capture (xDS, certificates and admin only).
+    #[arg(long, env = "ZDS_PATH", default_value = crate::inpod::DEFAULT_ZDS_PATH,
+          value_parser = clap::builder::OsStringValueParser::new().map(PathBuf::from))]
+    pub zds_path: PathBuf,
+
+    /// Deliver inbound connections to pods from the original client's IP
+    /// (`IP_TRANSPARENT`; needs the node agent's mark routing in the pod).
+    /// With `false` the app sees ztunnel's connection from the pod's own IP.
+    #[arg(long, env = "INBOUND_TRANSPARENT", default_value_t = true, action = clap::ArgAction::Set)]
+    pub inbound_transparent: bool,
 }
 
 impl Config {
@@ -91,18 +105,29 @@ impl Config {
             readiness_addr: parse_default(DEFAULT_READINESS_ADDR, 15021),
             cluster_id: DEFAULT_CLUSTER_ID.to_string(),
             network: String::new(),
+            zds_path: PathBuf::from(crate::inpod::DEFAULT_ZDS_PATH),
+            inbound_transparent: true,
         }
     }
 
-    /// Moves every listener to `127.0.0.1:0`, so the OS picks free ports.
-    /// Tests and benchmarks that run many ztunnels in one process use this
-    /// and read the bound addresses back from [`crate::Ztunnel`].
+    /// Moves every listener to `127.0.0.1:0`, so the OS picks free ports,
+    /// and turns in-pod capture off (many ztunnels in one process must not
+    /// share the node's ZDS socket; set [`Config::zds_path`] to a socket of
+    /// the test's own). Tests and benchmarks that run many ztunnels in one
+    /// process use this and read the bound addresses back from
+    /// [`crate::Ztunnel`].
     pub fn with_ephemeral_ports(mut self) -> Self {
         let any = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0));
         self.admin_addr = any;
         self.stats_addr = any;
         self.readiness_addr = any;
+        self.zds_path = PathBuf::new();
         self
+    }
+
+    /// The node agent's socket, unless in-pod capture is off.
+    pub fn zds_socket(&self) -> Option<&std::path::Path> {
+        (!self.zds_path.as_os_str().is_empty()).then_some(self.zds_path.as_path())
     }
 
     /// The CA address in effect: `--ca-address`, else the xDS address.
@@ -140,6 +165,8 @@ mod tests {
                 "CA_ADDRESS",
                 "TOKEN_FILE",
                 "ROOT_CERT",
+                "ZDS_PATH",
+                "INBOUND_TRANSPARENT",
             ]
             .contains(&k.as_str())
         }) {
@@ -169,6 +196,17 @@ mod tests {
         assert_eq!(c.token_file, Some(PathBuf::from("/tmp/t")));
         assert_eq!(c.network, "net-a");
         assert_eq!(c.effective_ca_address(), "http://10.0.0.1:15010");
+    }
+
+    #[test]
+    fn empty_zds_path_turns_inpod_capture_off() {
+        let c = Config::try_parse_from(["ztunnel", "--node-name", "n", "--zds-path", ""])
+            .expect("flags parse");
+        assert_eq!(c.zds_socket(), None);
+        let c =
+            Config::try_parse_from(["ztunnel", "--node-name", "n", "--zds-path", "/run/z.sock"])
+                .expect("flags parse");
+        assert_eq!(c.zds_socket(), Some(std::path::Path::new("/run/z.sock")));
     }
 
     #[test]

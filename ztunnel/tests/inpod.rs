@@ -136,7 +136,7 @@ impl Ztunnel {
         cfg.backoff_initial = Duration::from_millis(20);
         cfg.backoff_max = Duration::from_millis(200);
         let handle = rt.block_on(async {
-            let handle = InpodManager::spawn(InpodConfig::default(), drain.clone());
+            let handle = InpodManager::spawn(InpodConfig::default(), drain.clone(), None);
             tokio::spawn(ZdsClient::new(cfg, handle.commands.clone()).run(drain));
             handle
         });

@@ -38,7 +38,9 @@ pub mod tls;
 mod tests;
 
 pub use client::{ClientError, HboneClient, HboneConnection};
-pub use pool::{HbonePool, PoolConfig, PoolError, PoolKey, PooledStream};
+pub use pool::{
+    DialFuture, Dialer, HbonePool, PoolConfig, PoolError, PoolKey, PooledStream, TcpDialer,
+};
 pub use server::{ConnectRequest, HboneServer, ServerError};
 pub use stream::H2Stream;
 pub use tls::{TlsError, client_config, peer_identity, server_config};

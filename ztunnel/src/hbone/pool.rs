@@ -26,6 +26,7 @@
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
@@ -63,6 +64,32 @@ pub struct PoolKey {
     pub dst: Identity,
     /// The peer's IP (its :15008 is dialed).
     pub dst_ip: IpAddr,
+    /// The source address the connection is dialed from (the source pod's
+    /// IP): the peer sees it as the client's address, so two pods never
+    /// share a connection even when they share an identity. `None` when
+    /// the dialer does not pin a source.
+    pub src_ip: Option<IpAddr>,
+}
+
+/// Boxed future of a [`Dialer`].
+pub type DialFuture = Pin<Box<dyn Future<Output = io::Result<TcpStream>> + Send>>;
+
+/// Makes the TCP connection under a new pooled HBONE connection: the seam
+/// that lets the data path dial from inside a pod's network namespace (with
+/// ztunnel's mark) and tests dial from the current one.
+pub trait Dialer: Send + Sync {
+    /// Connects to `dst`.
+    fn dial(&self, dst: SocketAddr) -> DialFuture;
+}
+
+/// Dials from the current network namespace, unmarked.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TcpDialer;
+
+impl Dialer for TcpDialer {
+    fn dial(&self, dst: SocketAddr) -> DialFuture {
+        Box::pin(TcpStream::connect(dst))
+    }
 }
 
 /// Tuning of an [`HbonePool`].
@@ -329,6 +356,7 @@ impl HbonePool {
         &self,
         key: PoolKey,
         dst: SocketAddr,
+        dialer: &dyn Dialer,
         mut make_config: F,
         target: SocketAddr,
         mut headers: HeaderMap,
@@ -344,7 +372,7 @@ impl HbonePool {
         }
         let mut may_retry = true;
         loop {
-            let (lease, reused) = self.checkout(&key, dst, &mut make_config).await?;
+            let (lease, reused) = self.checkout(&key, dst, dialer, &mut make_config).await?;
             let retry_possible = reused && may_retry;
             let h = if retry_possible {
                 headers.clone()
@@ -410,6 +438,7 @@ impl HbonePool {
         &self,
         key: &PoolKey,
         dst: SocketAddr,
+        dialer: &dyn Dialer,
         make_config: &mut F,
     ) -> Result<(Lease, bool), PoolError>
     where
@@ -427,7 +456,7 @@ impl HbonePool {
             }
             Reserve::Dial(..) => {}
         }
-        match self.dial(key, dst, make_config).await {
+        match self.dial(key, dst, dialer, make_config).await {
             Ok(conn) => Ok((self.insert(key, conn), false)),
             Err(e) => {
                 lock(&self.inner.keys)
@@ -474,6 +503,7 @@ impl HbonePool {
         &self,
         key: &PoolKey,
         dst: SocketAddr,
+        dialer: &dyn Dialer,
         make_config: &mut F,
     ) -> Result<HboneConnection, PoolError>
     where
@@ -481,7 +511,7 @@ impl HbonePool {
     {
         let config = make_config().map_err(|source| PoolError::Config { dst, source })?;
         let timeout = self.inner.config.connect_timeout;
-        let tcp = tokio::time::timeout(timeout, TcpStream::connect(dst))
+        let tcp = tokio::time::timeout(timeout, dialer.dial(dst))
             .await
             .map_err(|_| PoolError::ConnectTimeout { dst, timeout })?
             .map_err(|source| PoolError::Connect { dst, source })?;

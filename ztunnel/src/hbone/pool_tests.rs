@@ -115,6 +115,7 @@ impl Mesh {
             src: self.client.identity.clone(),
             dst: dst.clone(),
             dst_ip: server.addr.ip(),
+            src_ip: None,
         }
     }
 
@@ -133,6 +134,7 @@ impl Mesh {
             pool.stream(
                 key.clone(),
                 dst,
+                &TcpDialer,
                 || client_config(cert, &bundle, expected.clone()).map(Arc::new),
                 self.echo,
                 HeaderMap::new(),

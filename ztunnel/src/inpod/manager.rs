@@ -8,15 +8,17 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io;
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use ambit_proto::workload::zds::WorkloadInfo;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
-use super::netns::{NetnsId, PodNetns, UNSPECIFIED, listener_socket};
+use super::netns::{NetnsId, NetnsSockets, PodNetns, UNSPECIFIED, listener_socket};
 use super::zds::{InpodCommand, InpodEvent};
-use crate::drain::DrainWatcher;
+use crate::drain::{self, DRAIN_DEADLINE, DrainTrigger, DrainWatcher};
+use crate::proxy::{self, PodConnections, ProxyContext};
 
 /// Why a pod could not be set up; the text goes back in the ZDS ack.
 #[derive(Debug, thiserror::Error)]
@@ -111,11 +113,17 @@ struct Pod {
     netns: PodNetns,
     summary: PodSummary,
     accept_tasks: Vec<JoinHandle<()>>,
+    /// Drains the pod's connections when it goes.
+    drain: DrainTrigger,
+    connections: Option<PodConnections>,
 }
 
 /// Owns every pod's listeners; driven only through its command channel.
 pub struct InpodManager {
     cfg: InpodConfig,
+    /// The proxies accepted connections go to; `None` only accepts and
+    /// closes (listener lifecycle tests).
+    proxy: Option<Arc<ProxyContext>>,
     pods: HashMap<String, Pod>,
     /// `Some` between a (re)connect and `SnapshotSent`: the uids the agent
     /// has mentioned so far.
@@ -125,11 +133,16 @@ pub struct InpodManager {
 
 impl InpodManager {
     /// Starts the owner task.
-    pub fn spawn(cfg: InpodConfig, drain: DrainWatcher) -> InpodHandle {
+    pub fn spawn(
+        cfg: InpodConfig,
+        drain: DrainWatcher,
+        proxy: Option<Arc<ProxyContext>>,
+    ) -> InpodHandle {
         let (commands, rx) = mpsc::channel(64);
         let (published, pods) = watch::channel(PodSet::new());
         let manager = Self {
             cfg,
+            proxy,
             pods: HashMap::new(),
             seen: None,
             published,
@@ -157,10 +170,14 @@ impl InpodManager {
             let _ = cmd.reply.send(outcome);
         }
         let uids: Vec<String> = self.pods.keys().cloned().collect();
+        let mut draining = Vec::new();
         for uid in uids {
-            self.remove(&uid, "ztunnel is shutting down").await;
+            draining.extend(self.remove(&uid, "ztunnel is shutting down").await);
         }
         self.publish();
+        // Live connections get the drain deadline to finish.
+        let all = futures::future::join_all(draining.into_iter().map(PodConnections::closed));
+        let _ = tokio::time::timeout(DRAIN_DEADLINE, all).await;
     }
 
     fn publish(&self) {
@@ -251,19 +268,43 @@ impl InpodManager {
 
         let specs = self.listener_specs();
         let bind_netns = netns.clone();
-        let bound =
-            tokio::task::spawn_blocking(move || bind_netns.run_in(move || bind_all(&specs)))
-                .await
-                .map_err(|e| InpodError::Task {
-                    pod: pod_name.clone(),
-                    reason: e.to_string(),
-                })?
-                .map_err(|source| InpodError::Listen {
-                    pod: pod_name.clone(),
-                    netns: netns.id(),
-                    source,
-                })?;
+        let want_sockets = self.proxy.is_some();
+        let bound = tokio::task::spawn_blocking(move || {
+            let listeners = bind_netns.run_in(move || bind_all(&specs))?;
+            let sockets = if want_sockets {
+                Some(NetnsSockets::spawn(&bind_netns)?)
+            } else {
+                None
+            };
+            Ok::<_, io::Error>((listeners, sockets))
+        })
+        .await
+        .map_err(|e| InpodError::Task {
+            pod: pod_name.clone(),
+            reason: e.to_string(),
+        })?
+        .map_err(|source| InpodError::Listen {
+            pod: pod_name.clone(),
+            netns: netns.id(),
+            source,
+        })?;
 
+        let (bound, sockets) = bound;
+        let (pod_drain, pod_watcher) = drain::channel();
+        let (proxy_pod, connections) = match sockets {
+            Some(sockets) => {
+                let (p, c) = proxy::Pod::new(
+                    uid.clone(),
+                    info.name.clone(),
+                    info.namespace.clone(),
+                    info.service_account.clone(),
+                    sockets,
+                    pod_watcher,
+                );
+                (Some(Arc::new(p)), Some(c))
+            }
+            None => (None, None),
+        };
         let mut accept_tasks = Vec::new();
         let mut addrs = Vec::new();
         for (role, addr, listener) in bound {
@@ -279,7 +320,24 @@ impl InpodManager {
                 }
             };
             addrs.push((role, addr));
-            accept_tasks.push(tokio::spawn(accept_and_drop(listener, role, uid.clone())));
+            let task = match (&self.proxy, &proxy_pod) {
+                (Some(ctx), Some(pod)) => {
+                    let (ctx, pod) = (ctx.clone(), pod.clone());
+                    match role {
+                        ListenerRole::Outbound => {
+                            tokio::spawn(proxy::outbound::serve(listener, pod, ctx))
+                        }
+                        ListenerRole::InboundPlaintext => {
+                            tokio::spawn(proxy::inbound::serve_plaintext(listener, pod, ctx))
+                        }
+                        ListenerRole::InboundHbone => {
+                            tokio::spawn(proxy::inbound::serve_hbone(listener, pod, ctx))
+                        }
+                    }
+                }
+                _ => tokio::spawn(accept_and_drop(listener, role, uid.clone())),
+            };
+            accept_tasks.push(task);
         }
         info!(pod = %pod_name, netns = %netns.id(), listeners = addrs.len(), "in-pod listeners open");
         let summary = PodSummary {
@@ -296,6 +354,8 @@ impl InpodManager {
                 netns,
                 summary,
                 accept_tasks,
+                drain: pod_drain,
+                connections,
             },
         );
         Ok(())
@@ -322,20 +382,23 @@ impl InpodManager {
             .collect()
     }
 
-    /// Closes a pod's listeners; they are closed when this returns.
-    async fn remove(&mut self, uid: &str, why: &str) {
+    /// Closes a pod's listeners (closed when this returns) and tells its
+    /// live connections to drain: they get [`DRAIN_DEADLINE`] to finish.
+    /// Returns what resolves once they have ended.
+    async fn remove(&mut self, uid: &str, why: &str) -> Option<PodConnections> {
         let Some(pod) = self.pods.remove(uid) else {
             debug!(uid, why, "ZDS: no such pod to remove");
-            return;
+            return None;
         };
-        // TODO(data plane): drain the pod's live connections before closing.
+        pod.drain.start();
         abort_all(pod.accept_tasks).await;
         info!(
             uid,
             pod = %format!("{}/{}", pod.summary.namespace, pod.summary.name),
             why,
-            "in-pod listeners closed"
+            "in-pod listeners closed; draining its connections"
         );
+        pod.connections
     }
 }
 
@@ -374,9 +437,7 @@ async fn abort_all(tasks: Vec<JoinHandle<()>>) {
     }
 }
 
-/// Placeholder accept loop: accepts and closes.
-// TODO(data plane): hand accepted connections to the outbound (15001),
-// inbound plaintext (15006) and inbound HBONE (15008) proxies.
+/// Accept loop of a manager without proxies: accepts and closes.
 async fn accept_and_drop(listener: tokio::net::TcpListener, role: ListenerRole, uid: String) {
     loop {
         match listener.accept().await {

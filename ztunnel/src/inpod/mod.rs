@@ -24,7 +24,7 @@ mod tests;
 pub use manager::{
     InpodConfig, InpodError, InpodHandle, InpodManager, ListenerRole, PodSet, PodSummary,
 };
-pub use netns::{NetnsError, NetnsId, PodNetns, SocketOptions};
+pub use netns::{NetnsError, NetnsId, NetnsSockets, PodNetns, SocketOptions};
 pub use zds::{
     DEFAULT_ZDS_PATH, InpodCommand, InpodEvent, ZdsClient, ZdsClientConfig, ZdsError, ZdsMessage,
     ZdsRequestError,

@@ -197,6 +197,90 @@ impl PodNetns {
     }
 }
 
+/// A long-lived thread inside one pod's network namespace that creates
+/// sockets on request, so the per-connection path pays a channel hop
+/// (a few µs) instead of a thread start. Clones share the thread; it ends
+/// when the last clone is dropped.
+#[derive(Debug, Clone)]
+pub struct NetnsSockets {
+    jobs: std::sync::mpsc::Sender<SocketJob>,
+    id: NetnsId,
+}
+
+type SocketJob = Box<dyn FnOnce() + Send>;
+
+impl NetnsSockets {
+    /// Starts the thread and enters `netns` in it; fails when the
+    /// namespace cannot be entered.
+    pub fn spawn(netns: &PodNetns) -> io::Result<Self> {
+        let (jobs, rx) = std::sync::mpsc::channel::<SocketJob>();
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel::<io::Result<()>>(1);
+        let ns = netns.clone();
+        let id = netns.id();
+        std::thread::Builder::new()
+            .name("ambit-netns-sockets".to_string())
+            .spawn(move || {
+                let entered = setns(ns.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|e| {
+                    let e = io::Error::from(e);
+                    io::Error::new(
+                        e.kind(),
+                        format!("cannot enter pod network namespace {id}: {e}"),
+                    )
+                });
+                let ok = entered.is_ok();
+                let _ = ready_tx.send(entered);
+                drop(ns);
+                if ok {
+                    for job in rx {
+                        job();
+                    }
+                }
+            })?;
+        ready_rx
+            .recv()
+            .map_err(|_| io::Error::other(format!("socket thread for {id} died at start")))??;
+        Ok(Self { jobs, id })
+    }
+
+    /// The namespace's identity.
+    pub fn id(&self) -> NetnsId {
+        self.id
+    }
+
+    /// Runs `f` on the namespace thread and returns its result. Keep `f`
+    /// short (socket creation): jobs of one pod run one after another.
+    pub async fn run<T, F>(&self, f: F) -> io::Result<T>
+    where
+        F: FnOnce() -> io::Result<T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let job: SocketJob = Box::new(move || {
+            let _ = tx.send(f());
+        });
+        let gone = || io::Error::other(format!("socket thread of pod netns {} is gone", self.id));
+        self.jobs.send(job).map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+
+    /// Connects to `dst` with a socket made in the namespace.
+    pub async fn connect(
+        &self,
+        dst: SocketAddr,
+        opts: &SocketOptions,
+    ) -> io::Result<tokio::net::TcpStream> {
+        let opts = *opts;
+        let sock = self.run(move || client_socket(dst, &opts)).await?;
+        let socket = tokio::net::TcpSocket::from_std_stream(sock.into());
+        socket.connect(dst).await.map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("connecting to {dst} inside pod netns {}: {e}", self.id),
+            )
+        })
+    }
+}
+
 /// How [`PodNetns::tcp_socket`] prepares a socket.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SocketOptions {

@@ -1,0 +1,253 @@
+//! Inbound: HBONE on :15008 (mTLS with the pod's certificate, `CONNECT`
+//! only to this pod's addresses) and plaintext on :15006 (redirected
+//! connections from outside the mesh). Both check authorization — which
+//! also carries PeerAuthentication STRICT as a deny of identity-less
+//! connections — and deliver to the app from inside the pod, from the
+//! original client's IP when transparent delivery is on.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::http::StatusCode;
+use tokio::net::{TcpListener, TcpStream};
+use tracing::Instrument;
+
+use super::metrics::{ConnectionOpen, ConnectionResult, Reporter, SecurityPolicy};
+use super::outbound::{finish, original_dst};
+use super::{
+    Pod, ProxyContext, ProxyError, accept_loop, copy_until_drained, peer_info, workload_identity,
+};
+use crate::drain::DRAIN_DEADLINE;
+use crate::hbone::{ConnectRequest, H2Stream, HboneServer};
+use crate::identity::Identity;
+use crate::rbac::{ConnectionAttrs, Decision, PeerIdentity};
+use crate::state::{StateSnapshot, Workload};
+
+/// Serves the pod's HBONE listener until the pod drains.
+pub async fn serve_hbone(listener: TcpListener, pod: Arc<Pod>, ctx: Arc<ProxyContext>) {
+    let p = pod.clone();
+    accept_loop(listener, p, "inbound-hbone", move |tcp, peer| {
+        hbone_connection(ctx.clone(), pod.clone(), tcp, peer)
+    })
+    .await;
+}
+
+/// Serves the pod's inbound plaintext listener until the pod drains.
+pub async fn serve_plaintext(listener: TcpListener, pod: Arc<Pod>, ctx: Arc<ProxyContext>) {
+    let p = pod.clone();
+    accept_loop(listener, p, "inbound-plaintext", move |tcp, peer| {
+        plaintext(ctx.clone(), pod.clone(), tcp, peer)
+    })
+    .await;
+}
+
+/// One HBONE connection (TLS + HTTP/2, many CONNECT streams).
+async fn hbone_connection(ctx: Arc<ProxyContext>, pod: Arc<Pod>, tcp: TcpStream, peer: SocketAddr) {
+    let _guard = pod.guard();
+    let config = match pod.server_config(&ctx).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(pod = %pod, %peer, error = %e, "inbound HBONE connection refused: no certificate to present");
+            return;
+        }
+    };
+    let server = HboneServer::new(config);
+    let authorize = |req: &ConnectRequest| authorize(&ctx, &pod, req);
+    let handler = |req: ConnectRequest, stream: H2Stream| {
+        let ctx = ctx.clone();
+        let pod = pod.clone();
+        async move { hbone_stream(ctx, pod, req, stream).await }
+    };
+    let serve = server.serve(tcp, authorize, handler);
+    tokio::pin!(serve);
+    let outcome = tokio::select! {
+        r = &mut serve => Some(r),
+        _ = pod.drain.signaled() => {
+            tokio::time::timeout(DRAIN_DEADLINE, &mut serve).await.ok()
+        }
+    };
+    if let Some(Err(e)) = outcome {
+        tracing::debug!(pod = %pod, %peer, error = %e, "inbound HBONE connection ended");
+    }
+}
+
+fn is_own_port(ctx: &ProxyContext, port: u16) -> bool {
+    [
+        ctx.cfg.outbound_port,
+        ctx.cfg.inbound_plaintext_port,
+        ctx.cfg.hbone_port,
+    ]
+    .contains(&port)
+}
+
+/// What the metrics know of an inbound connection.
+fn inbound_open(
+    ctx: &ProxyContext,
+    pod: &Pod,
+    snap: &StateSnapshot,
+    src: SocketAddr,
+    dst: SocketAddr,
+    dst_w: Option<&Workload>,
+    peer: Option<&Identity>,
+) -> ConnectionOpen {
+    let src_w = snap.workload_by_ip(&ctx.network, src.ip().to_canonical());
+    let dst_id = dst_w
+        .map(workload_identity)
+        .unwrap_or_else(|| pod.identity(ctx, snap));
+    ConnectionOpen {
+        reporter: Reporter::Destination,
+        src,
+        dst,
+        source: peer_info(src_w.as_deref(), peer),
+        destination: peer_info(dst_w, Some(&dst_id)),
+        destination_service: None,
+        security: if peer.is_some() {
+            SecurityPolicy::MutualTls
+        } else {
+            SecurityPolicy::None
+        },
+    }
+}
+
+/// The check before a CONNECT is answered: an address of this pod, not one
+/// of ztunnel's ports, and allowed by policy. Refusals are counted.
+fn authorize(ctx: &ProxyContext, pod: &Pod, req: &ConnectRequest) -> Result<(), StatusCode> {
+    let dst = req.authority;
+    let snap = ctx.state.load();
+    let refuse = |w: Option<&Workload>, e: ProxyError, status: StatusCode| {
+        let open = inbound_open(
+            ctx,
+            pod,
+            &snap,
+            req.peer_addr,
+            dst,
+            w,
+            Some(&req.peer_identity),
+        );
+        let result = ConnectionResult::new(open, &ctx.tcp);
+        result.fail(e.flags(), &e);
+        Err(status)
+    };
+    if is_own_port(ctx, dst.port()) {
+        return refuse(None, ProxyError::Loop(dst), StatusCode::BAD_REQUEST);
+    }
+    let Some(w) = pod.workload_at(ctx, &snap, dst.ip()) else {
+        let e = ProxyError::NotThisPod {
+            addr: dst,
+            pod: pod.to_string(),
+        };
+        return refuse(None, e, StatusCode::FORBIDDEN);
+    };
+    let attrs = ConnectionAttrs::mtls(
+        req.peer_addr.ip(),
+        PeerIdentity::new(&req.peer_identity),
+        dst.ip(),
+        dst.port(),
+    );
+    match ctx.policies.evaluate(&snap, &w, &attrs) {
+        Decision::Allow => Ok(()),
+        Decision::Deny { policy } => {
+            let e = ProxyError::Denied {
+                policy: policy.to_string(),
+            };
+            refuse(Some(&w), e, StatusCode::UNAUTHORIZED)
+        }
+    }
+}
+
+/// One accepted CONNECT stream: deliver it to the app.
+async fn hbone_stream(
+    ctx: Arc<ProxyContext>,
+    pod: Arc<Pod>,
+    req: ConnectRequest,
+    stream: H2Stream,
+) {
+    let _guard = pod.guard();
+    let dst = req.authority;
+    let snap = ctx.state.load();
+    let dst_w = pod.workload_at(&ctx, &snap, dst.ip());
+    let open = inbound_open(
+        &ctx,
+        &pod,
+        &snap,
+        req.peer_addr,
+        dst,
+        dst_w.as_deref(),
+        Some(&req.peer_identity),
+    );
+    drop(snap);
+    let result = ConnectionResult::new(open, &ctx.tcp);
+    let span = result.span().clone();
+    async move {
+        let outcome = deliver(&ctx, &pod, stream, req.peer_addr, dst).await;
+        finish(result, outcome);
+    }
+    .instrument(span)
+    .await;
+}
+
+async fn deliver<S>(
+    ctx: &ProxyContext,
+    pod: &Pod,
+    downstream: S,
+    src: SocketAddr,
+    dst: SocketAddr,
+) -> Result<(u64, u64), ProxyError>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let from = ctx.cfg.inbound_transparent.then(|| src.ip().to_canonical());
+    let upstream = pod.connect(ctx, dst, from).await?;
+    copy_until_drained(pod, downstream, upstream, &ctx.cfg.copy).await
+}
+
+/// One redirected plaintext connection.
+async fn plaintext(ctx: Arc<ProxyContext>, pod: Arc<Pod>, tcp: TcpStream, src: SocketAddr) {
+    let _guard = pod.guard();
+    let dst = match original_dst(&tcp) {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::warn!(pod = %pod, %src, error = %ProxyError::OriginalDst(e), "inbound connection dropped");
+            return;
+        }
+    };
+    let snap = ctx.state.load();
+    let dst_w = pod.workload_at(&ctx, &snap, dst.ip());
+    let open = inbound_open(&ctx, &pod, &snap, src, dst, dst_w.as_deref(), None);
+    let refused = if is_own_port(&ctx, dst.port()) {
+        Some(ProxyError::Loop(dst))
+    } else {
+        match &dst_w {
+            None => Some(ProxyError::NotThisPod {
+                addr: dst,
+                pod: pod.to_string(),
+            }),
+            Some(w) => {
+                let attrs = ConnectionAttrs::plaintext(src.ip(), dst.ip(), dst.port());
+                match ctx.policies.evaluate(&snap, w, &attrs) {
+                    Decision::Allow => None,
+                    Decision::Deny { policy } => Some(ProxyError::Denied {
+                        policy: policy.to_string(),
+                    }),
+                }
+            }
+        }
+    };
+    drop(snap);
+    let result = ConnectionResult::new(open, &ctx.tcp);
+    let span = result.span().clone();
+    async move {
+        if let Some(e) = refused {
+            // A reset tells the client at once that it was refused.
+            let _ = socket2::SockRef::from(&tcp).set_linger(Some(Duration::ZERO));
+            drop(tcp);
+            result.fail(e.flags(), &e);
+            return;
+        }
+        let outcome = deliver(&ctx, &pod, tcp, src, dst).await;
+        finish(result, outcome);
+    }
+    .instrument(span)
+    .await;
+}

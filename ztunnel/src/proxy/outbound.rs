@@ -1,0 +1,264 @@
+//! Outbound (:15001 in the pod): the app's redirected connections. The
+//! original destination comes from `SO_ORIGINAL_DST`; [`super::resolve`]
+//! decides where it goes; mesh workloads are reached over pooled HBONE
+//! with the source pod's certificate, everything else over plain TCP from
+//! inside the pod.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use hyper::http::{HeaderMap, HeaderValue};
+use tokio::net::{TcpListener, TcpStream};
+use tracing::Instrument;
+
+use super::metrics::{ConnectionOpen, ConnectionResult, Reporter, SecurityPolicy, ServiceInfo};
+use super::{
+    Pod, ProxyContext, ProxyError, Resolved, accept_loop, copy_until_drained, peer_info, resolve,
+    workload_identity,
+};
+use crate::hbone::{DialFuture, Dialer, PoolKey};
+use crate::inpod::{NetnsSockets, SocketOptions};
+use crate::state::{Service, Workload};
+
+/// Serves the pod's outbound listener until the pod drains.
+pub async fn serve(listener: TcpListener, pod: Arc<Pod>, ctx: Arc<ProxyContext>) {
+    let local = listener.local_addr().ok();
+    let p = pod.clone();
+    accept_loop(listener, p, "outbound", move |stream, peer| {
+        handle(ctx.clone(), pod.clone(), stream, peer, local)
+    })
+    .await;
+}
+
+/// Dials HBONE peers from inside the source pod, marked.
+struct PodDialer {
+    sockets: NetnsSockets,
+    mark: u32,
+}
+
+impl Dialer for PodDialer {
+    fn dial(&self, dst: SocketAddr) -> DialFuture {
+        let sockets = self.sockets.clone();
+        let opts = SocketOptions {
+            mark: Some(self.mark),
+            ..SocketOptions::default()
+        };
+        Box::pin(async move { sockets.connect(dst, &opts).await })
+    }
+}
+
+/// The original destination of a connection redirected by iptables.
+pub fn original_dst(stream: &TcpStream) -> std::io::Result<SocketAddr> {
+    use nix::sys::socket::{SockaddrIn, SockaddrIn6, getsockopt, sockopt};
+    let local = stream.local_addr()?;
+    if local.is_ipv4() {
+        let raw = getsockopt(stream, sockopt::OriginalDst).map_err(std::io::Error::from)?;
+        Ok(SocketAddr::V4(SockaddrIn::from(raw).into()))
+    } else {
+        let raw = getsockopt(stream, sockopt::Ip6tOriginalDst).map_err(std::io::Error::from)?;
+        Ok(SocketAddr::V6(SockaddrIn6::from(raw).into()))
+    }
+}
+
+async fn handle(
+    ctx: Arc<ProxyContext>,
+    pod: Arc<Pod>,
+    downstream: TcpStream,
+    src: SocketAddr,
+    listener: Option<SocketAddr>,
+) {
+    let _guard = pod.guard();
+    let dst = match original_dst(&downstream) {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::warn!(pod = %pod, %src, error = %ProxyError::OriginalDst(e), "outbound connection dropped");
+            return;
+        }
+    };
+    let snap = ctx.state.load();
+    let src_w = snap.workload_by_ip(&ctx.network, src.ip().to_canonical());
+    let src_id = src_w
+        .as_deref()
+        .filter(|w| pod.is(w))
+        .map(workload_identity)
+        .unwrap_or_else(|| pod.identity(&ctx, &snap));
+    let resolved = resolve(&snap, &ctx.network, dst, &ctx.rr);
+    drop(snap);
+
+    let (dst_w, service, mtls) = match &resolved {
+        Resolved::Hbone {
+            workload, service, ..
+        } => (Some(workload.clone()), service.clone(), true),
+        Resolved::Direct {
+            workload, service, ..
+        } => (workload.clone(), service.clone(), false),
+        Resolved::NoEndpoint { service, .. } => (None, Some(service.clone()), false),
+    };
+    let dst_id = dst_w.as_deref().filter(|_| mtls).map(workload_identity);
+    let open = ConnectionOpen {
+        reporter: Reporter::Source,
+        src,
+        dst,
+        source: peer_info(src_w.as_deref(), Some(&src_id)),
+        destination: peer_info(dst_w.as_deref(), dst_id.as_ref()),
+        destination_service: service.as_deref().map(service_info),
+        security: if mtls {
+            SecurityPolicy::MutualTls
+        } else {
+            SecurityPolicy::None
+        },
+    };
+    let result = ConnectionResult::new(open, &ctx.tcp);
+    let span = result.span().clone();
+    async move {
+        let outcome = match resolved {
+            Resolved::NoEndpoint { service, port } => Err(ProxyError::NoHealthyEndpoint {
+                service: service.hostname.clone(),
+                port,
+            }),
+            Resolved::Direct { addr, .. } => {
+                if is_loop(addr, listener, &ctx) {
+                    Err(ProxyError::Loop(addr))
+                } else {
+                    direct(&ctx, &pod, downstream, addr).await
+                }
+            }
+            Resolved::Hbone { addr, workload, .. } => {
+                let headers = headers(src.ip(), src_w.as_deref());
+                hbone(
+                    &ctx, &pod, downstream, src, &src_id, &workload, addr, headers,
+                )
+                .await
+            }
+        };
+        finish(result, outcome);
+    }
+    .instrument(span)
+    .await;
+}
+
+/// Records the outcome of a connection.
+pub(super) fn finish(result: ConnectionResult, outcome: Result<(u64, u64), ProxyError>) {
+    match outcome {
+        Ok((from_client, to_client)) => {
+            result.record_received(from_client);
+            result.record_sent(to_client);
+            result.finish();
+        }
+        Err(e) => {
+            if let ProxyError::Copy(c) = &e {
+                let (from_client, to_client) = c.copied();
+                result.record_received(from_client);
+                result.record_sent(to_client);
+            }
+            result.fail(e.flags(), &e);
+        }
+    }
+}
+
+fn is_loop(addr: SocketAddr, listener: Option<SocketAddr>, ctx: &ProxyContext) -> bool {
+    let ports = [
+        ctx.cfg.outbound_port,
+        ctx.cfg.inbound_plaintext_port,
+        ctx.cfg.hbone_port,
+    ];
+    addr.ip().is_loopback()
+        || addr.ip().is_unspecified()
+        || (ports.contains(&addr.port()) && listener.is_some_and(|l| l.port() == addr.port()))
+}
+
+async fn direct(
+    ctx: &ProxyContext,
+    pod: &Pod,
+    downstream: TcpStream,
+    addr: SocketAddr,
+) -> Result<(u64, u64), ProxyError> {
+    let upstream = pod.connect(ctx, addr, None).await?;
+    copy_until_drained(pod, downstream, upstream, &ctx.cfg.copy).await
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn hbone(
+    ctx: &ProxyContext,
+    pod: &Pod,
+    downstream: TcpStream,
+    src: SocketAddr,
+    src_id: &crate::identity::Identity,
+    dst_w: &Workload,
+    target: SocketAddr,
+    headers: HeaderMap,
+) -> Result<(u64, u64), ProxyError> {
+    let dst_id = workload_identity(dst_w);
+    let cert = ctx.certificate(src_id).await?;
+    let key = PoolKey {
+        src: src_id.clone(),
+        dst: dst_id.clone(),
+        dst_ip: target.ip(),
+        src_ip: Some(src.ip()),
+    };
+    let dialer = PodDialer {
+        sockets: pod.sockets.clone(),
+        mark: ctx.cfg.mark,
+    };
+    let peer = SocketAddr::new(target.ip(), ctx.cfg.hbone_port);
+    let stream = ctx
+        .pool
+        .stream(
+            key,
+            peer,
+            &dialer,
+            || ctx.client_config(&cert, &dst_id),
+            target,
+            headers,
+        )
+        .await
+        .map_err(|source| ProxyError::Hbone { target, source })?;
+    copy_until_drained(pod, downstream, stream, &ctx.cfg.copy).await
+}
+
+fn service_info(s: &Service) -> ServiceInfo {
+    ServiceInfo {
+        hostname: s.hostname.clone(),
+        name: s.name.clone(),
+        namespace: s.namespace.clone(),
+    }
+}
+
+/// `baggage`, `forwarded` and `traceparent` of a CONNECT.
+fn headers(src_ip: IpAddr, src: Option<&Workload>) -> HeaderMap {
+    let mut h = HeaderMap::with_capacity(3);
+    if let Some(w) = src {
+        let mut baggage = format!(
+            "k8s.cluster.name={},k8s.namespace.name={}",
+            w.cluster_id, w.namespace
+        );
+        if !w.workload_name.is_empty() {
+            baggage.push_str(",k8s.deployment.name=");
+            baggage.push_str(&w.workload_name);
+        }
+        if !w.canonical_name.is_empty() {
+            baggage.push_str(",service.name=");
+            baggage.push_str(&w.canonical_name);
+        }
+        if !w.canonical_revision.is_empty() {
+            baggage.push_str(",service.version=");
+            baggage.push_str(&w.canonical_revision);
+        }
+        if let Ok(v) = HeaderValue::from_str(&baggage) {
+            h.insert("baggage", v);
+        }
+    }
+    let forwarded = match src_ip {
+        IpAddr::V4(ip) => format!("for={ip}"),
+        IpAddr::V6(ip) => format!("for=\"[{ip}]\""),
+    };
+    if let Ok(v) = HeaderValue::from_str(&forwarded) {
+        h.insert("forwarded", v);
+    }
+    let trace: u128 = rand::random::<u128>().max(1);
+    let span: u64 = rand::random::<u64>().max(1);
+    if let Ok(v) = HeaderValue::from_str(&format!("00-{trace:032x}-{span:016x}-01")) {
+        h.insert("traceparent", v);
+    }
+    h
+}
