@@ -2,6 +2,9 @@
 //! fixture directories, in-process control planes, tiny HTTP client.
 #![forbid(unsafe_code)]
 
+pub mod meshbed;
+pub mod netbed;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

@@ -134,6 +134,7 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
                 ..ProxyConfig::default()
             },
         ));
+        let ctx_for_policies = ctx.clone();
         let inpod = InpodManager::spawn(InpodConfig::default(), watcher.clone(), Some(ctx));
         pods = inpod.pods.clone();
         let zds = ZdsClient::new(ZdsClientConfig::new(path), inpod.commands);
@@ -147,7 +148,8 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
             .instrument(span.clone()),
         ));
         tasks.push(tokio::spawn(
-            refresh_policies(reader.clone(), policies, watcher.clone()).instrument(span.clone()),
+            follow_policies(reader.clone(), ctx_for_policies, watcher.clone())
+                .instrument(span.clone()),
         ));
     }
     tasks.extend([
@@ -329,11 +331,18 @@ async fn track_local_identities(
 }
 
 /// Keeps the policy index at the latest state, so connections never pay
-/// for building it.
-async fn refresh_policies(state: StateReader, policies: Arc<PolicyCache>, drain: DrainWatcher) {
+/// for building it, and closes live inbound connections the new state
+/// denies.
+async fn follow_policies(state: StateReader, ctx: Arc<ProxyContext>, drain: DrainWatcher) {
     let mut generation = state.generation();
     loop {
-        policies.refresh(&state.load());
+        let snap = state.load();
+        ctx.policies.refresh(&snap);
+        let closed = ctx.live.recheck(&snap, &ctx.network, &ctx.policies);
+        if closed > 0 {
+            info!(closed, "closed live connections that the new policy denies");
+        }
+        drop(snap);
         tokio::select! {
             changed = generation.changed() => if changed.is_err() { return },
             _ = drain.signaled() => return,

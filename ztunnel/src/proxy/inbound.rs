@@ -180,26 +180,38 @@ async fn hbone_stream(
     let result = ConnectionResult::new(open, &ctx.tcp);
     let span = result.span().clone();
     async move {
-        let outcome = deliver(&ctx, &pod, stream, req.peer_addr, dst).await;
+        let attrs = ConnectionAttrs::mtls(
+            req.peer_addr.ip(),
+            PeerIdentity::new(&req.peer_identity),
+            dst.ip(),
+            dst.port(),
+        );
+        let outcome = deliver(&ctx, &pod, stream, attrs, dst).await;
         finish(result, outcome);
     }
     .instrument(span)
     .await;
 }
 
+/// Connects to the app and copies, registered as a live connection so a
+/// policy change that denies `attrs` closes it.
 async fn deliver<S>(
     ctx: &ProxyContext,
     pod: &Pod,
     downstream: S,
-    src: SocketAddr,
+    attrs: ConnectionAttrs,
     dst: SocketAddr,
 ) -> Result<(u64, u64), ProxyError>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
-    let from = ctx.cfg.inbound_transparent.then(|| src.ip().to_canonical());
+    let src = attrs.src_ip;
+    let (_registration, revoked) = ctx
+        .live
+        .register(attrs, pod.namespace_arc(), pod.name_arc());
+    let from = ctx.cfg.inbound_transparent.then(|| src.to_canonical());
     let upstream = pod.connect(ctx, dst, from).await?;
-    copy_until_drained(pod, downstream, upstream, &ctx.cfg.copy).await
+    copy_until_drained(pod, downstream, upstream, &ctx.cfg.copy, Some(revoked)).await
 }
 
 /// One redirected plaintext connection.
@@ -245,7 +257,8 @@ async fn plaintext(ctx: Arc<ProxyContext>, pod: Arc<Pod>, tcp: TcpStream, src: S
             result.fail(e.flags(), &e);
             return;
         }
-        let outcome = deliver(&ctx, &pod, tcp, src, dst).await;
+        let attrs = ConnectionAttrs::plaintext(src.ip(), dst.ip(), dst.port());
+        let outcome = deliver(&ctx, &pod, tcp, attrs, dst).await;
         finish(result, outcome);
     }
     .instrument(span)

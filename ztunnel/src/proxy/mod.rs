@@ -18,6 +18,7 @@
 //!   [`DRAIN_DEADLINE`] once its pod or the whole ztunnel drains.
 
 pub mod inbound;
+pub mod live;
 pub mod metrics;
 pub mod outbound;
 mod resolve;
@@ -95,6 +96,8 @@ pub enum ProxyError {
     ConnectTimeout { dst: SocketAddr, timeout: Duration },
     #[error("denied by {policy}")]
     Denied { policy: String },
+    #[error("closed: a policy change denies it ({policy})")]
+    Revoked { policy: String },
     #[error(transparent)]
     Copy(#[from] CopyError),
     #[error(
@@ -108,9 +111,10 @@ impl ProxyError {
     pub fn flags(&self) -> metrics::ResponseFlags {
         use metrics::ResponseFlags as F;
         match self {
-            ProxyError::Denied { .. } | ProxyError::NotThisPod { .. } | ProxyError::Loop(_) => {
-                F::Deny
-            }
+            ProxyError::Denied { .. }
+            | ProxyError::Revoked { .. }
+            | ProxyError::NotThisPod { .. }
+            | ProxyError::Loop(_) => F::Deny,
             ProxyError::Copy(_) | ProxyError::Drained | ProxyError::HboneServer(_) => {
                 F::DownstreamTerminated
             }
@@ -174,6 +178,8 @@ pub struct ProxyContext {
     pub tcp: TcpMetrics,
     pub policies: Arc<PolicyCache>,
     pub cfg: ProxyConfig,
+    /// Inbound connections, rechecked when policy changes.
+    pub live: Arc<live::LiveConnections>,
     client_tls: Mutex<HashMap<(Identity, Identity), CachedClient>>,
     /// Round-robin cursor for endpoint picks.
     rr: AtomicUsize,
@@ -211,6 +217,7 @@ impl ProxyContext {
             tcp,
             policies,
             cfg,
+            live: Arc::default(),
             client_tls: Mutex::new(HashMap::new()),
             rr: AtomicUsize::new(0),
         }
@@ -305,8 +312,8 @@ struct CachedServer {
 /// One enrolled pod, as its proxies see it.
 pub struct Pod {
     pub uid: String,
-    pub name: String,
-    pub namespace: String,
+    pub name: Arc<str>,
+    pub namespace: Arc<str>,
     pub service_account: String,
     /// Makes sockets inside the pod's netns.
     pub sockets: NetnsSockets,
@@ -358,8 +365,8 @@ impl Pod {
         (
             Self {
                 uid,
-                name,
-                namespace,
+                name: name.into(),
+                namespace: namespace.into(),
                 service_account,
                 sockets,
                 drain,
@@ -389,12 +396,22 @@ impl Pod {
         } else {
             &self.service_account
         };
-        Identity::new(td, &self.namespace, sa)
+        Identity::new(td, &*self.namespace, sa)
     }
 
     /// Whether `w` is this pod.
     pub fn is(&self, w: &Workload) -> bool {
-        w.name == self.name && w.namespace == self.namespace
+        *w.name == *self.name && *w.namespace == *self.namespace
+    }
+
+    /// The pod's namespace, shared.
+    pub fn namespace_arc(&self) -> Arc<str> {
+        self.namespace.clone()
+    }
+
+    /// The pod's name, shared.
+    pub fn name_arc(&self) -> Arc<str> {
+        self.name.clone()
     }
 
     /// The workload of this pod that owns `ip`, if `ip` is one of its
@@ -466,12 +483,14 @@ impl Pod {
 }
 
 /// Copies both ways until done; once the pod drains, gives the connection
-/// [`DRAIN_DEADLINE`] more, then closes it.
+/// [`DRAIN_DEADLINE`] more, then closes it. A revoked connection (a policy
+/// change denies it) is closed at once.
 async fn copy_until_drained<A, B>(
     pod: &Pod,
     a: A,
     b: B,
     cfg: &CopyConfig,
+    revoked: Option<live::Revoked>,
 ) -> Result<(u64, u64), ProxyError>
 where
     A: AsyncRead + AsyncWrite + Unpin,
@@ -479,13 +498,28 @@ where
 {
     let copy = copy_bidirectional(a, b, cfg);
     tokio::pin!(copy);
+    let revoked = async {
+        match revoked {
+            // A dropped sender means "no longer tracked", not "revoked".
+            Some(rx) => match rx.await {
+                Ok(policy) => policy,
+                Err(_) => std::future::pending().await,
+            },
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(revoked);
     tokio::select! {
         r = &mut copy => return r.map_err(ProxyError::from),
+        policy = &mut revoked => return Err(ProxyError::Revoked { policy }),
         _ = pod.drain.signaled() => {}
     }
-    match tokio::time::timeout(DRAIN_DEADLINE, copy).await {
-        Ok(r) => r.map_err(ProxyError::from),
-        Err(_) => Err(ProxyError::Drained),
+    tokio::select! {
+        r = tokio::time::timeout(DRAIN_DEADLINE, copy) => match r {
+            Ok(r) => r.map_err(ProxyError::from),
+            Err(_) => Err(ProxyError::Drained),
+        },
+        policy = revoked => Err(ProxyError::Revoked { policy }),
     }
 }
 

@@ -174,7 +174,7 @@ async fn direct(
     addr: SocketAddr,
 ) -> Result<(u64, u64), ProxyError> {
     let upstream = pod.connect(ctx, addr, None).await?;
-    copy_until_drained(pod, downstream, upstream, &ctx.cfg.copy).await
+    copy_until_drained(pod, downstream, upstream, &ctx.cfg.copy, None).await
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -213,7 +213,7 @@ async fn hbone(
         )
         .await
         .map_err(|source| ProxyError::Hbone { target, source })?;
-    copy_until_drained(pod, downstream, stream, &ctx.cfg.copy).await
+    copy_until_drained(pod, downstream, stream, &ctx.cfg.copy, None).await
 }
 
 fn service_info(s: &Service) -> ServiceInfo {

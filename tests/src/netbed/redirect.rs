@@ -1,0 +1,393 @@
+//! In-pod redirection (SPEC §4): the iptables rules and policy routing the
+//! node agent installs inside each enrolled pod's network namespace.
+//!
+//! Self-contained (std + anyhow, shells out to `ip` and `iptables-restore`)
+//! so it can move into the node agent crate unchanged.
+//!
+//! ```text
+//! nat    PREROUTING -> AMBIT_PRERT       probe source, :15008, lo: RETURN; TCP -> REDIRECT :15006
+//! nat    OUTPUT     -> AMBIT_OUTPUT      marked 0x539, 127/8, -o lo: RETURN; TCP -> REDIRECT :15001
+//! mangle PREROUTING -> AMBIT_MANGLE_PRERT  marked 0x539 (ztunnel's own sockets, looped over lo)
+//!                                          -> connmark 0x111
+//! mangle OUTPUT     -> AMBIT_MANGLE_OUT    marked 0x539: RETURN; connmark 0x111 -> restore mark
+//! ip rule fwmark 0x111/0xfff pref 32764 lookup 133;  table 133: local 0.0.0.0/0 dev lo
+//! ```
+//!
+//! The connmark is set in mangle PREROUTING, which only ztunnel's
+//! connections *into* the pod reach with their mark (they loop over `lo`;
+//! packets from other namespaces arrive with mark 0). So the app's replies to
+//! a transparent (original-source) delivery carry 0x111 and route back to
+//! ztunnel's local socket, while ztunnel's outbound connections from the pod
+//! never get a connmark and are never rerouted.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use anyhow::{Context, Result, bail};
+
+/// `SO_MARK` of ztunnel's sockets inside pods (Istio's value). Matched with
+/// [`MARK_MASK`].
+pub const ZTUNNEL_MARK: u32 = 0x539;
+/// Connmark given to connections ztunnel delivers into the pod; restored
+/// into the app's reply packets so they route to ztunnel's local socket.
+pub const DELIVERY_MARK: u32 = 0x111;
+/// Mask of the mark bits Ambit uses.
+pub const MARK_MASK: u32 = 0xfff;
+/// Policy-routing table with `local 0.0.0.0/0 dev lo`.
+pub const ROUTE_TABLE: u32 = 133;
+/// Priority of the `fwmark 0x111/0xfff lookup 133` rule.
+pub const RULE_PRIORITY: u32 = 32764;
+/// Source address of kubelet probes after the node agent's SNAT; never redirected.
+pub const PROBE_SOURCE: &str = "169.254.7.127";
+
+/// ztunnel's in-pod listener ports the rules redirect to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RedirectPorts {
+    /// Captured outbound TCP (15001).
+    pub outbound: u16,
+    /// Captured inbound plaintext TCP (15006).
+    pub inbound_plaintext: u16,
+    /// Inbound HBONE (15008), exempt from redirection.
+    pub inbound_hbone: u16,
+}
+
+impl Default for RedirectPorts {
+    fn default() -> Self {
+        Self {
+            outbound: 15001,
+            inbound_plaintext: 15006,
+            inbound_hbone: 15008,
+        }
+    }
+}
+
+/// One Ambit-owned chain and the builtin chain that jumps to it.
+struct Chain {
+    table: &'static str,
+    builtin: &'static str,
+    name: &'static str,
+}
+
+const CHAINS: [Chain; 4] = [
+    Chain {
+        table: "mangle",
+        builtin: "PREROUTING",
+        name: "AMBIT_MANGLE_PRERT",
+    },
+    Chain {
+        table: "mangle",
+        builtin: "OUTPUT",
+        name: "AMBIT_MANGLE_OUT",
+    },
+    Chain {
+        table: "nat",
+        builtin: "PREROUTING",
+        name: "AMBIT_PRERT",
+    },
+    Chain {
+        table: "nat",
+        builtin: "OUTPUT",
+        name: "AMBIT_OUTPUT",
+    },
+];
+
+const TABLES: [&str; 2] = ["mangle", "nat"];
+
+/// The rules inside Ambit's chains as `(table, line)`, spelled exactly as
+/// `iptables-save` prints them (so a save can be checked line by line).
+pub fn rule_lines(ports: &RedirectPorts) -> Vec<(&'static str, String)> {
+    let mark = format!("0x{ZTUNNEL_MARK:x}/0x{MARK_MASK:x}");
+    let conn = format!("0x{DELIVERY_MARK:x}/0x{MARK_MASK:x}");
+    let mask = format!("0x{MARK_MASK:x}");
+    vec![
+        (
+            "mangle",
+            format!("-A AMBIT_MANGLE_PRERT -m mark --mark {mark} -j CONNMARK --set-xmark {conn}"),
+        ),
+        (
+            "mangle",
+            format!("-A AMBIT_MANGLE_OUT -m mark --mark {mark} -j RETURN"),
+        ),
+        (
+            "mangle",
+            format!(
+                "-A AMBIT_MANGLE_OUT -m connmark --mark {conn} -j CONNMARK --restore-mark \
+                 --nfmask {mask} --ctmask {mask}"
+            ),
+        ),
+        (
+            "nat",
+            format!("-A AMBIT_PRERT -s {PROBE_SOURCE}/32 -p tcp -j RETURN"),
+        ),
+        (
+            "nat",
+            format!(
+                "-A AMBIT_PRERT -p tcp -m tcp --dport {} -j RETURN",
+                ports.inbound_hbone
+            ),
+        ),
+        ("nat", "-A AMBIT_PRERT -i lo -j RETURN".to_string()),
+        (
+            "nat",
+            format!(
+                "-A AMBIT_PRERT -p tcp -j REDIRECT --to-ports {}",
+                ports.inbound_plaintext
+            ),
+        ),
+        (
+            "nat",
+            format!("-A AMBIT_OUTPUT -p tcp -m mark --mark {mark} -j RETURN"),
+        ),
+        (
+            "nat",
+            "-A AMBIT_OUTPUT -d 127.0.0.0/8 -j RETURN".to_string(),
+        ),
+        ("nat", "-A AMBIT_OUTPUT -o lo -j RETURN".to_string()),
+        (
+            "nat",
+            format!(
+                "-A AMBIT_OUTPUT -p tcp -j REDIRECT --to-ports {}",
+                ports.outbound
+            ),
+        ),
+    ]
+}
+
+/// The jumps from the builtin chains into Ambit's chains, as `(table, line)`.
+pub fn jump_lines() -> Vec<(&'static str, String)> {
+    CHAINS
+        .iter()
+        .map(|c| (c.table, format!("-A {} -j {}", c.builtin, c.name)))
+        .collect()
+}
+
+/// Installs (or repairs) the redirection in network namespace `netns`
+/// (a name under `/var/run/netns`). Idempotent: re-running replaces the
+/// content of Ambit's chains in one `iptables-restore` transaction (no window
+/// without redirection) and leaves exactly one jump from each builtin chain.
+pub fn install(netns: &str, ports: &RedirectPorts) -> Result<()> {
+    // Routing first: it only matters once the mangle rules mark replies.
+    if !rule_present(netns)? {
+        ip(
+            netns,
+            &[
+                "rule",
+                "add",
+                "fwmark",
+                &format!("0x{DELIVERY_MARK:x}/0x{MARK_MASK:x}"),
+                "pref",
+                &RULE_PRIORITY.to_string(),
+                "lookup",
+                &ROUTE_TABLE.to_string(),
+            ],
+        )?;
+    }
+    ip(
+        netns,
+        &[
+            "route",
+            "replace",
+            "local",
+            "0.0.0.0/0",
+            "dev",
+            "lo",
+            "table",
+            &ROUTE_TABLE.to_string(),
+        ],
+    )?;
+
+    let saved = iptables_save(netns)?;
+    let rules = rule_lines(ports);
+    let mut script = String::new();
+    for table in TABLES {
+        script.push_str(&format!("*{table}\n"));
+        // With --noflush, declaring an existing user chain flushes it.
+        for c in CHAINS.iter().filter(|c| c.table == table) {
+            script.push_str(&format!(":{} - [0:0]\n", c.name));
+        }
+        for (_, line) in rules.iter().filter(|(t, _)| *t == table) {
+            script.push_str(line);
+            script.push('\n');
+        }
+        for c in CHAINS.iter().filter(|c| c.table == table) {
+            let jump = format!("-A {} -j {}", c.builtin, c.name);
+            match count_in_table(&saved, table, &jump) {
+                0 => script.push_str(&format!("{jump}\n")),
+                n => {
+                    for _ in 1..n {
+                        script.push_str(&format!("-D {} -j {}\n", c.builtin, c.name));
+                    }
+                }
+            }
+        }
+        script.push_str("COMMIT\n");
+    }
+    iptables_restore(netns, &script)
+}
+
+/// Removes every trace of the redirection from `netns`: the jumps, Ambit's
+/// chains, the ip rule and the route. Succeeds when nothing is installed.
+pub fn remove(netns: &str) -> Result<()> {
+    let saved = iptables_save(netns)?;
+    let mut script = String::new();
+    for table in TABLES {
+        let mut body = String::new();
+        for c in CHAINS.iter().filter(|c| c.table == table) {
+            let jump = format!("-A {} -j {}", c.builtin, c.name);
+            for _ in 0..count_in_table(&saved, table, &jump) {
+                body.push_str(&format!("-D {} -j {}\n", c.builtin, c.name));
+            }
+        }
+        for c in CHAINS.iter().filter(|c| c.table == table) {
+            if chain_exists(&saved, table, c.name) {
+                body.push_str(&format!("-F {0}\n-X {0}\n", c.name));
+            }
+        }
+        if !body.is_empty() {
+            script.push_str(&format!("*{table}\n{body}COMMIT\n"));
+        }
+    }
+    if !script.is_empty() {
+        iptables_restore(netns, &script)?;
+    }
+
+    // `ip rule add` refuses duplicates, but be thorough if someone added more.
+    for _ in 0..16 {
+        if !rule_present(netns)? {
+            break;
+        }
+        ip(
+            netns,
+            &[
+                "rule",
+                "del",
+                "fwmark",
+                &format!("0x{DELIVERY_MARK:x}/0x{MARK_MASK:x}"),
+                "pref",
+                &RULE_PRIORITY.to_string(),
+                "lookup",
+                &ROUTE_TABLE.to_string(),
+            ],
+        )?;
+    }
+    if route_present(netns)? {
+        ip(
+            netns,
+            &[
+                "route",
+                "del",
+                "local",
+                "0.0.0.0/0",
+                "dev",
+                "lo",
+                "table",
+                &ROUTE_TABLE.to_string(),
+            ],
+        )?;
+    }
+    Ok(())
+}
+
+/// Whether the redirection is fully in place in `netns`: every jump and
+/// chain, the ip rule and the route. A partial install reads as `false`.
+pub fn is_installed(netns: &str) -> Result<bool> {
+    let saved = iptables_save(netns)?;
+    let chains = CHAINS.iter().all(|c| {
+        chain_exists(&saved, c.table, c.name)
+            && count_in_table(&saved, c.table, &format!("-A {} -j {}", c.builtin, c.name)) > 0
+    });
+    Ok(chains && rule_present(netns)? && route_present(netns)?)
+}
+
+/// The lines of one table's section of an `iptables-save` dump.
+fn table_lines<'a>(saved: &'a str, table: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+    let header = format!("*{table}");
+    saved
+        .lines()
+        .map(str::trim_end)
+        .skip_while(move |l| *l != header)
+        .skip(1)
+        .take_while(|l| *l != "COMMIT")
+}
+
+fn count_in_table(saved: &str, table: &str, line: &str) -> usize {
+    table_lines(saved, table).filter(|l| *l == line).count()
+}
+
+fn chain_exists(saved: &str, table: &str, chain: &str) -> bool {
+    let decl = format!(":{chain} ");
+    table_lines(saved, table).any(|l| l.starts_with(&decl))
+}
+
+fn rule_present(netns: &str) -> Result<bool> {
+    let rules = ip(netns, &["rule", "show"])?;
+    let want = format!("fwmark 0x{DELIVERY_MARK:x}/0x{MARK_MASK:x} lookup {ROUTE_TABLE}");
+    let pref = format!("{RULE_PRIORITY}:");
+    Ok(rules
+        .lines()
+        .any(|l| l.starts_with(&pref) && l.contains(&want)))
+}
+
+fn route_present(netns: &str) -> Result<bool> {
+    let table = ROUTE_TABLE.to_string();
+    match run("ip", &["-n", netns, "route", "show", "table", &table], None) {
+        Ok(routes) => Ok(routes
+            .lines()
+            .any(|l| l.starts_with("local default dev lo"))),
+        // A table that never had a route does not exist yet.
+        Err(e) if format!("{e:#}").contains("does not exist") => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+fn ip(netns: &str, args: &[&str]) -> Result<String> {
+    let mut argv = vec!["-n", netns];
+    argv.extend_from_slice(args);
+    run("ip", &argv, None)
+}
+
+fn iptables_save(netns: &str) -> Result<String> {
+    run("ip", &["netns", "exec", netns, "iptables-save"], None)
+}
+
+fn iptables_restore(netns: &str, script: &str) -> Result<()> {
+    run(
+        "ip",
+        &["netns", "exec", netns, "iptables-restore", "--noflush"],
+        Some(script),
+    )
+    .with_context(|| format!("applying in-pod redirection rules:\n{script}"))?;
+    Ok(())
+}
+
+/// Runs `program args`, feeding `stdin`; returns stdout, or an error naming
+/// the command with its exit status and stderr.
+fn run(program: &str, args: &[&str], stdin: Option<&str>) -> Result<String> {
+    let shown = format!("{program} {}", args.join(" "));
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot run `{shown}`"))?;
+    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        pipe.write_all(input.as_bytes())
+            .with_context(|| format!("writing stdin of `{shown}`"))?;
+    }
+    let out = child
+        .wait_with_output()
+        .with_context(|| format!("waiting for `{shown}`"))?;
+    if !out.status.success() {
+        bail!(
+            "`{shown}` failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}

@@ -1,0 +1,433 @@
+//! The data plane end to end, in network namespaces this test builds: two
+//! nodes joined by a bridge, pods on each, a ztunnel per node (in process,
+//! its per-pod sockets made inside the pods' namespaces), pods handed over
+//! ZDS by an in-test node agent that installs the redirection rules, and
+//! the control plane serving YAML written for the bed.
+//!
+//! Needs root, `ip` and `iptables`; prints SKIP and passes otherwise.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ambit_tests::meshbed::{MeshBed, PodSpec, WAIT, metric_sum};
+use ambit_tests::netbed::{self, Capture};
+use ambit_ztunnel::hbone::{HboneClient, client_config};
+use ambit_ztunnel::identity::Identity;
+use ambit_ztunnel::inpod::SocketOptions;
+use hyper::http::{HeaderMap, StatusCode};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::time::timeout;
+
+const VIP: &str = "10.96.0.10";
+
+fn services() -> String {
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: server\n  namespace: ai\nspec:\n  \
+         clusterIP: {VIP}\n  selector: {{app: server}}\n  ports:\n  - {{name: tcp, port: 80, targetPort: 8080}}\n"
+    )
+}
+
+/// client (node 0), server-0 (node 1), server-1 (node 0), all in `ai`.
+fn basic_pods() -> Vec<PodSpec> {
+    vec![
+        PodSpec::mesh("client", "ai", 0, "client"),
+        PodSpec::mesh("server-0", "ai", 1, "server"),
+        PodSpec::mesh("server-1", "ai", 0, "server"),
+        PodSpec::plain("legacy", "legacy", 0, "legacy"),
+    ]
+}
+
+async fn bed(pods: &[PodSpec], extra: &str) -> Option<MeshBed> {
+    let mut bed = MeshBed::new(2, pods).unwrap();
+    bed.start(extra).await.unwrap();
+    Some(bed)
+}
+
+/// Writes `msg`, reads the echo, returns it.
+async fn echo_once(bed: &MeshBed, from: &str, dst: SocketAddr, msg: &[u8]) -> Vec<u8> {
+    let mut s = bed.connect(from, dst).await.unwrap();
+    timeout(WAIT, async {
+        s.write_all(msg).await.unwrap();
+        let mut got = vec![0u8; msg.len()];
+        s.read_exact(&mut got).await.unwrap();
+        got
+    })
+    .await
+    .expect("echo in time")
+}
+
+/// Whether a connection from `from` to `dst` is refused: no echo comes back.
+async fn refused(bed: &MeshBed, from: &str, dst: SocketAddr) -> bool {
+    let Ok(mut s) = bed.connect(from, dst).await else {
+        return true;
+    };
+    let r = timeout(WAIT, async {
+        s.write_all(b"ping").await?;
+        let mut buf = [0u8; 4];
+        s.read_exact(&mut buf).await
+    })
+    .await
+    .expect("refusal or echo in time");
+    r.is_err()
+}
+
+fn marker(tag: &str) -> Vec<u8> {
+    format!("AMBIT-SECRET-{tag}-{:016x}", rand::random::<u64>()).into_bytes()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_through_vip_and_pod_ip_is_mtls_on_the_wire() {
+    if !netbed::can_run("echo_through_vip_and_pod_ip_is_mtls_on_the_wire") {
+        return;
+    }
+    let Some(bed) = bed(&basic_pods(), &services()).await else {
+        return;
+    };
+    let _s0 = bed.echo("server-0", 8080).await.unwrap();
+    let _s1 = bed.echo("server-1", 8080).await.unwrap();
+    let capture = Capture::start(bed.cluster.lan_netns()).unwrap();
+
+    let cross = SocketAddr::new(bed.ip("server-0").into(), 8080);
+    let same = SocketAddr::new(bed.ip("server-1").into(), 8080);
+    let vip: SocketAddr = format!("{VIP}:80").parse().unwrap();
+    let mut secrets = Vec::new();
+    for (dst, tag) in [
+        (cross, "cross"),
+        (same, "same"),
+        (vip, "vip1"),
+        (vip, "vip2"),
+    ] {
+        let m = marker(tag);
+        assert_eq!(
+            echo_once(&bed, "client", dst, &m).await,
+            m,
+            "echo via {tag}"
+        );
+        secrets.push(m);
+    }
+    let wire = capture.stop();
+    assert!(
+        wire.len() > 1000,
+        "the capture saw the HBONE traffic ({} bytes)",
+        wire.len()
+    );
+    for m in &secrets {
+        assert!(
+            !netbed::capture::contains(&wire, m),
+            "plaintext {} crossed the link between nodes",
+            String::from_utf8_lossy(m)
+        );
+    }
+
+    // Both ends counted the cross-node connection as mTLS, with Istio's labels.
+    let src = bed.metrics(0).await.unwrap();
+    let opened = "istio_tcp_connections_opened_total";
+    assert!(
+        metric_sum(
+            &src,
+            opened,
+            &[
+                ("reporter", "source"),
+                ("destination_workload_namespace", "ai"),
+                ("connection_security_policy", "mutual_tls"),
+                ("source_principal", "spiffe://cluster.local/ns/ai/sa/client"),
+            ]
+        ) >= 4.0,
+        "source metrics:\n{src}"
+    );
+    assert!(
+        metric_sum(
+            &src,
+            opened,
+            &[("destination_service", "server.ai.svc.cluster.local")]
+        ) >= 2.0,
+        "VIP connections carry destination_service:\n{src}"
+    );
+    let dst = bed.metrics(1).await.unwrap();
+    assert!(
+        metric_sum(
+            &dst,
+            "istio_tcp_received_bytes_total",
+            &[
+                ("reporter", "destination"),
+                ("source_principal", "spiffe://cluster.local/ns/ai/sa/client"),
+                ("connection_security_policy", "mutual_tls"),
+            ]
+        ) > 0.0,
+        "destination metrics:\n{dst}"
+    );
+    bed.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn app_sees_the_original_source_ip_and_half_close_works() {
+    if !netbed::can_run("app_sees_the_original_source_ip_and_half_close_works") {
+        return;
+    }
+    let Some(bed) = bed(&basic_pods(), &services()).await else {
+        return;
+    };
+    let _who = bed.whoami("server-0", 8081).await.unwrap();
+    let _echo = bed.echo("server-0", 8080).await.unwrap();
+
+    let dst = SocketAddr::new(bed.ip("server-0").into(), 8081);
+    let mut s = bed.connect("client", dst).await.unwrap();
+    let mut line = Vec::new();
+    timeout(WAIT, async {
+        let mut b = [0u8; 1];
+        while s.read_exact(&mut b).await.is_ok() && b[0] != b'\n' {
+            line.push(b[0]);
+        }
+    })
+    .await
+    .unwrap();
+    let seen: SocketAddr = String::from_utf8(line).unwrap().parse().unwrap();
+    assert_eq!(seen.ip(), std::net::IpAddr::from(bed.ip("client")));
+
+    // Half-close: shut our write side, still read the whole echo.
+    let payload: Vec<u8> = (0..256 * 1024).map(|i| (i % 251) as u8).collect();
+    let dst = SocketAddr::new(bed.ip("server-0").into(), 8080);
+    let s = bed.connect("client", dst).await.unwrap();
+    let (mut r, mut w) = s.into_split();
+    let p = payload.clone();
+    let writer = tokio::spawn(async move {
+        w.write_all(&p).await.unwrap();
+        w.shutdown().await.unwrap();
+        w
+    });
+    let mut got = Vec::new();
+    timeout(WAIT, r.read_to_end(&mut got))
+        .await
+        .unwrap()
+        .unwrap();
+    let _w = writer.await.unwrap();
+    assert_eq!(got.len(), payload.len());
+    assert!(got == payload, "echo after half-close differs");
+    bed.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_refuses_plaintext_and_permissive_labels_it_none() {
+    if !netbed::can_run("strict_refuses_plaintext_and_permissive_labels_it_none") {
+        return;
+    }
+    let Some(bed) = bed(&basic_pods(), &services()).await else {
+        return;
+    };
+    let _s0 = bed.echo("server-0", 8080).await.unwrap();
+    let dst = SocketAddr::new(bed.ip("server-0").into(), 8080);
+
+    // PERMISSIVE (the default): plaintext from outside the mesh passes.
+    let m = marker("plain");
+    assert_eq!(echo_once(&bed, "legacy", dst, &m).await, m);
+    let metrics = bed.metrics(1).await.unwrap();
+    assert!(
+        metric_sum(
+            &metrics,
+            "istio_tcp_connections_opened_total",
+            &[
+                ("reporter", "destination"),
+                ("connection_security_policy", "none"),
+                ("destination_workload_namespace", "ai"),
+            ]
+        ) >= 1.0,
+        "{metrics}"
+    );
+
+    // STRICT for the namespace: plaintext is refused, mTLS still flows.
+    let strict = "apiVersion: security.istio.io/v1\nkind: PeerAuthentication\nmetadata:\n  \
+                  name: strict\n  namespace: ai\nspec:\n  mtls:\n    mode: STRICT\n";
+    bed.write_config("strict.yaml", strict).unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !refused(&bed, "legacy", dst).await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "STRICT never applied"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let m = marker("mtls");
+    assert_eq!(echo_once(&bed, "client", dst, &m).await, m);
+    let metrics = bed.metrics(1).await.unwrap();
+    assert!(
+        metric_sum(
+            &metrics,
+            "istio_tcp_connections_closed_total",
+            &[
+                ("connection_security_policy", "none"),
+                ("response_flags", "DENY"),
+            ]
+        ) >= 1.0,
+        "{metrics}"
+    );
+    bed.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn impostor_peer_and_foreign_connect_address_are_refused() {
+    if !netbed::can_run("impostor_peer_and_foreign_connect_address_are_refused") {
+        return;
+    }
+    let mut pods = basic_pods();
+    // xDS says `victim` is ai/sa/victim behind HBONE, but its netns is the
+    // test's: an impostor serving HBONE with a valid certificate of another
+    // identity (server's) listens there.
+    let mut victim = PodSpec::mesh("victim", "ai", 1, "victim");
+    victim.handover = false;
+    pods.push(victim);
+    let Some(bed) = bed(&pods, &services()).await else {
+        return;
+    };
+    let _s0 = bed.echo("server-0", 8080).await.unwrap();
+    let _s1 = bed.echo("server-1", 8080).await.unwrap();
+    let server_id = Identity::new("cluster.local", "ai", "server");
+    let server_cert = timeout(WAIT, bed.ztunnel(1).certificates().fetch(&server_id))
+        .await
+        .unwrap()
+        .unwrap();
+    let bundle = bed
+        .ztunnel(1)
+        .certificates()
+        .trust_bundle()
+        .borrow()
+        .clone();
+    let victim_ns = bed.pod("victim").open().unwrap();
+    let impostor = victim_ns
+        .bind_listener("0.0.0.0:15008".parse().unwrap(), false)
+        .unwrap();
+    let impostor = tokio::net::TcpListener::from_std(impostor).unwrap();
+    let server_cfg = Arc::new(ambit_ztunnel::hbone::server_config(&server_cert, &bundle).unwrap());
+    let impostor_task = tokio::spawn(async move {
+        while let Ok((tcp, _)) = impostor.accept().await {
+            let server = ambit_ztunnel::hbone::HboneServer::new(server_cfg.clone());
+            tokio::spawn(async move {
+                let _ = server.serve(tcp, |_| Ok(()), |_, _| async {}).await;
+            });
+        }
+    });
+    let victim_addr = SocketAddr::new(bed.ip("victim").into(), 8080);
+    assert!(
+        refused(&bed, "client", victim_addr).await,
+        "a peer proving the wrong identity must be refused"
+    );
+    let metrics = bed.metrics(0).await.unwrap();
+    assert!(
+        metric_sum(
+            &metrics,
+            "istio_tcp_connections_closed_total",
+            &[("reporter", "source"), ("response_flags", "CONNECT")]
+        ) >= 1.0,
+        "the refused connection is counted as a connect failure:\n{metrics}"
+    );
+    impostor_task.abort();
+
+    // A real peer with a valid client certificate, asking server-0's
+    // ztunnel for an address that is not server-0's: refused.
+    let client_id = Identity::new("cluster.local", "ai", "client");
+    let cert = timeout(WAIT, bed.ztunnel(0).certificates().fetch(&client_id))
+        .await
+        .unwrap()
+        .unwrap();
+    let bundle = bed
+        .ztunnel(0)
+        .certificates()
+        .trust_bundle()
+        .borrow()
+        .clone();
+    let cfg = Arc::new(client_config(&cert, &bundle, server_id.clone()).unwrap());
+    let client_ns = bed.pod("client").open().unwrap();
+    let opts = SocketOptions {
+        mark: Some(ambit_ztunnel::inpod::ZTUNNEL_MARK),
+        ..SocketOptions::default()
+    };
+    let tcp = client_ns
+        .connect_from(SocketAddr::new(bed.ip("server-0").into(), 15008), &opts)
+        .await
+        .unwrap();
+    let conn = timeout(WAIT, HboneClient::connect(tcp, cfg))
+        .await
+        .unwrap()
+        .unwrap();
+    let own = SocketAddr::new(bed.ip("server-0").into(), 8080);
+    let foreign = SocketAddr::new(bed.ip("server-1").into(), 8080);
+    let ok = timeout(WAIT, conn.connect_stream(own, HeaderMap::new()))
+        .await
+        .unwrap();
+    assert!(ok.is_ok(), "CONNECT to the pod's own address works: {ok:?}");
+    let err = timeout(WAIT, conn.connect_stream(foreign, HeaderMap::new()))
+        .await
+        .unwrap()
+        .expect_err("CONNECT to another pod's address must be refused");
+    assert_eq!(err.status(), Some(StatusCode::FORBIDDEN), "{err}");
+    let port = SocketAddr::new(bed.ip("server-0").into(), 15001);
+    let err = timeout(WAIT, conn.connect_stream(port, HeaderMap::new()))
+        .await
+        .unwrap()
+        .expect_err("CONNECT to ztunnel's own port must be refused");
+    assert_eq!(err.status(), Some(StatusCode::BAD_REQUEST), "{err}");
+    bed.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thousand_concurrent_connections_share_the_pool() {
+    if !netbed::can_run("thousand_concurrent_connections_share_the_pool") {
+        return;
+    }
+    raise_fd_limit();
+    let Some(bed) = bed(&basic_pods(), &services()).await else {
+        return;
+    };
+    let _s0 = bed.echo("server-0", 8080).await.unwrap();
+    let dst = SocketAddr::new(bed.ip("server-0").into(), 8080);
+    let bed = Arc::new(bed);
+    // Open all first, so they really are concurrent.
+    let mut conns = Vec::new();
+    for _ in 0..1000 {
+        conns.push(bed.connect("client", dst).await.unwrap());
+    }
+    let tasks: Vec<_> = conns
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut s)| {
+            tokio::spawn(async move {
+                let msg = format!("connection {i:04} {}", "x".repeat(1000));
+                s.write_all(msg.as_bytes()).await.unwrap();
+                let mut got = vec![0u8; msg.len()];
+                s.read_exact(&mut got).await.unwrap();
+                assert_eq!(got, msg.as_bytes(), "connection {i}");
+                s
+            })
+        })
+        .collect();
+    let mut open = Vec::new();
+    for t in tasks {
+        open.push(
+            timeout(WAIT * 2, t)
+                .await
+                .expect("all echoes in time")
+                .unwrap(),
+        );
+    }
+    let stats = bed.ztunnel(0).pool().stats();
+    let conns = stats.connections();
+    assert!(
+        (10..=12).contains(&conns),
+        "1,000 streams at 100 per connection share ~10 pooled connections, got {conns}"
+    );
+    assert_eq!(stats.active_streams(), 1000);
+    drop(open);
+    let bed = Arc::into_inner(bed).expect("no other owner");
+    bed.shutdown().await;
+}
+
+fn raise_fd_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE)
+        && soft < 16384
+    {
+        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard.min(65536), hard);
+    }
+}
