@@ -81,7 +81,7 @@ pub struct MeshBed {
     config: tempfile::TempDir,
     data: tempfile::TempDir,
     cp: Option<ControlPlane>,
-    ztunnels: Vec<Ztunnel>,
+    ztunnels: Vec<Option<Ztunnel>>,
     agents: Vec<Arc<Mutex<ZdsAgentConn>>>,
 }
 
@@ -94,8 +94,16 @@ fn pod_uid(spec: &PodSpec) -> String {
 }
 
 impl MeshBed {
-    /// Builds the namespaces and assigns pod IPs; nothing runs yet.
+    /// Builds the namespaces and assigns pod IPs; nothing runs yet. Logs
+    /// (access log included) go to the test's captured output, shown when
+    /// a test fails; `RUST_LOG` overrides the default `info`.
     pub fn new(nodes: usize, specs: &[PodSpec]) -> Result<Self> {
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        let _ = tracing_subscriber::fmt()
+            .with_test_writer()
+            .with_env_filter(filter)
+            .try_init();
         let mut cluster = Cluster::new(nodes)?;
         let mut pods = BTreeMap::new();
         for s in specs {
@@ -216,7 +224,7 @@ impl MeshBed {
             let conn = tokio::task::spawn_blocking(move || listener.accept(WAIT))
                 .await?
                 .context("ztunnel connecting to the node agent")?;
-            self.ztunnels.push(zt);
+            self.ztunnels.push(Some(zt));
             self.agents.push(Arc::new(Mutex::new(conn)));
         }
         self.cp = Some(cp);
@@ -284,9 +292,18 @@ impl MeshBed {
         redirect::remove(&self.pod(name).netns)
     }
 
-    /// The ztunnel of `node`.
+    /// The ztunnel of `node`; panics when it was taken.
     pub fn ztunnel(&self, node: usize) -> &Ztunnel {
-        &self.ztunnels[node]
+        match self.ztunnels.get(node) {
+            Some(Some(z)) => z,
+            _ => panic!("no running ztunnel on node {node}"),
+        }
+    }
+
+    /// Takes the ztunnel of `node` out of the bed (e.g. to shut it down
+    /// while the rest keeps running).
+    pub fn take_ztunnel(&mut self, node: usize) -> Option<Ztunnel> {
+        self.ztunnels.get_mut(node).and_then(Option::take)
     }
 
     /// The control plane.
@@ -296,7 +313,7 @@ impl MeshBed {
 
     /// `/metrics` of the ztunnel of `node`.
     pub async fn metrics(&self, node: usize) -> Result<String> {
-        crate::get(self.ztunnels[node].stats_addr(), "/metrics").await
+        crate::get(self.ztunnel(node).stats_addr(), "/metrics").await
     }
 
     /// A plain connection from inside pod `from` (captured by its
@@ -319,7 +336,7 @@ impl MeshBed {
 
     /// Waits until the ztunnel of `node` holds `n` enrolled pods.
     pub async fn wait_pods(&self, node: usize, n: usize) -> Result<()> {
-        let mut rx = self.ztunnels[node].pods();
+        let mut rx = self.ztunnel(node).pods();
         tokio::time::timeout(WAIT, rx.wait_for(|p| p.len() == n))
             .await
             .context("waiting for pods")??;
@@ -328,7 +345,7 @@ impl MeshBed {
 
     /// Stops the ztunnels and the control plane.
     pub async fn shutdown(mut self) {
-        for zt in self.ztunnels.drain(..) {
+        for zt in self.ztunnels.drain(..).flatten() {
             zt.shutdown().await;
         }
         if let Some(cp) = self.cp.take() {

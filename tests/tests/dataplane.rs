@@ -423,6 +423,59 @@ async fn thousand_concurrent_connections_share_the_pool() {
     bed.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_stops_accepting_and_drains_live_connections() {
+    if !netbed::can_run("shutdown_stops_accepting_and_drains_live_connections") {
+        return;
+    }
+    let Some(mut bed) = bed(&basic_pods(), &services()).await else {
+        return;
+    };
+    let _s0 = bed.echo("server-0", 8080).await.unwrap();
+    let dst = SocketAddr::new(bed.ip("server-0").into(), 8080);
+    let mut live = bed.connect("client", dst).await.unwrap();
+    let m = marker("before");
+    timeout(WAIT, async {
+        live.write_all(&m).await.unwrap();
+        let mut b = vec![0u8; m.len()];
+        live.read_exact(&mut b).await.unwrap();
+    })
+    .await
+    .unwrap();
+
+    // SIGTERM-equivalent on the server's node.
+    let zt = bed.take_ztunnel(1).unwrap();
+    let started = tokio::time::Instant::now();
+    let stopping = tokio::spawn(zt.shutdown());
+    // New connections to the draining node are refused...
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !refused(&bed, "client", dst).await {
+        assert!(tokio::time::Instant::now() < deadline, "still accepting");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // ...while the live one keeps working.
+    let m = marker("during");
+    timeout(WAIT, async {
+        live.write_all(&m).await.unwrap();
+        let mut b = vec![0u8; m.len()];
+        live.read_exact(&mut b).await.unwrap();
+        assert_eq!(b, m);
+    })
+    .await
+    .unwrap();
+    // At the drain deadline it is closed and the ztunnel is gone.
+    let limit = ambit_ztunnel::drain::DRAIN_DEADLINE + Duration::from_secs(3);
+    timeout(limit, stopping)
+        .await
+        .expect("stopped in time")
+        .unwrap();
+    let mut b = [0u8; 8];
+    let n = timeout(WAIT, live.read(&mut b)).await.expect("closed");
+    assert!(matches!(n, Ok(0) | Err(_)), "{n:?}");
+    assert!(started.elapsed() >= ambit_ztunnel::drain::DRAIN_DEADLINE);
+    bed.shutdown().await;
+}
+
 fn raise_fd_limit() {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
     if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE)

@@ -144,6 +144,26 @@ impl HboneServer {
         H: Fn(ConnectRequest, H2Stream) -> F,
         F: Future<Output = ()> + Send + 'static,
     {
+        self.serve_until(tcp, authorize, handler, std::future::pending())
+            .await
+    }
+
+    /// [`HboneServer::serve`] that, once `drain` resolves, sends GOAWAY:
+    /// the client opens no new stream here (its pool dials elsewhere or
+    /// fails fast) while the streams already open run to their end.
+    pub async fn serve_until<A, H, F, D>(
+        &self,
+        tcp: TcpStream,
+        authorize: A,
+        handler: H,
+        drain: D,
+    ) -> Result<(), ServerError>
+    where
+        A: Fn(&ConnectRequest) -> Result<(), StatusCode>,
+        H: Fn(ConnectRequest, H2Stream) -> F,
+        F: Future<Output = ()> + Send + 'static,
+        D: Future<Output = ()>,
+    {
         let peer = tcp.peer_addr().map_err(ServerError::PeerAddr)?;
         // Tunnels carry interactive traffic too; h2 batches writes itself.
         let _ = tcp.set_nodelay(true);
@@ -178,7 +198,19 @@ impl HboneServer {
         })?;
         tracing::debug!(%peer, %identity, "HBONE connection established");
 
-        while let Some(next) = conn.accept().await {
+        tokio::pin!(drain);
+        let mut draining = false;
+        loop {
+            let next = tokio::select! {
+                next = conn.accept() => next,
+                () = &mut drain, if !draining => {
+                    draining = true;
+                    tracing::debug!(%peer, %identity, "draining: GOAWAY sent to the HBONE client");
+                    conn.graceful_shutdown();
+                    continue;
+                }
+            };
+            let Some(next) = next else { break };
             let (request, mut respond) = match next {
                 Ok(r) => r,
                 Err(source)

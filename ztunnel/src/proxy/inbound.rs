@@ -59,7 +59,7 @@ async fn hbone_connection(ctx: Arc<ProxyContext>, pod: Arc<Pod>, tcp: TcpStream,
         let pod = pod.clone();
         async move { hbone_stream(ctx, pod, req, stream).await }
     };
-    let serve = server.serve(tcp, authorize, handler);
+    let serve = server.serve_until(tcp, authorize, handler, pod.drain.signaled());
     tokio::pin!(serve);
     let outcome = tokio::select! {
         r = &mut serve => Some(r),
@@ -125,8 +125,7 @@ fn authorize(ctx: &ProxyContext, pod: &Pod, req: &ConnectRequest) -> Result<(), 
             w,
             Some(&req.peer_identity),
         );
-        let result = ConnectionResult::new(open, &ctx.tcp);
-        result.fail(e.flags(), &e);
+        finish(ConnectionResult::new(open, &ctx.tcp), Err(e));
         Err(status)
     };
     if is_own_port(ctx, dst.port()) {
@@ -254,7 +253,7 @@ async fn plaintext(ctx: Arc<ProxyContext>, pod: Arc<Pod>, tcp: TcpStream, src: S
             // A reset tells the client at once that it was refused.
             let _ = socket2::SockRef::from(&tcp).set_linger(Some(Duration::ZERO));
             drop(tcp);
-            result.fail(e.flags(), &e);
+            finish(result, Err(e));
             return;
         }
         let attrs = ConnectionAttrs::plaintext(src.ip(), dst.ip(), dst.port());

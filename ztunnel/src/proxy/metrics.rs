@@ -270,7 +270,27 @@ impl TcpLabels {
     }
 }
 
-/// The four Istio TCP metric families. Cloning shares the families.
+/// Labels of `ambit_authorization_denials_total`: who was refused, by which
+/// policy.
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DenialLabels {
+    /// `namespace/name` of the DENY policy that matched, or
+    /// `no ALLOW policy matched`.
+    pub policy: String,
+    /// `source` or `destination`.
+    pub reporter: Reporter,
+    /// Destination workload name.
+    pub destination_workload: String,
+    /// Destination namespace.
+    pub destination_workload_namespace: String,
+    /// Source SPIFFE ID (only when mTLS proved it).
+    pub source_principal: String,
+    /// `mutual_tls` or `none`.
+    pub connection_security_policy: SecurityPolicy,
+}
+
+/// The four Istio TCP metric families, and the denials by policy.
+/// Cloning shares the families.
 #[derive(Clone, Debug, Default)]
 pub struct TcpMetrics {
     /// `istio_tcp_connections_opened_total`.
@@ -281,6 +301,9 @@ pub struct TcpMetrics {
     pub sent_bytes: Family<TcpLabels, Counter>,
     /// `istio_tcp_received_bytes_total`: bytes received from the downstream client.
     pub received_bytes: Family<TcpLabels, Counter>,
+    /// `ambit_authorization_denials_total`: connections refused or closed by
+    /// authorization policy (PeerAuthentication STRICT included).
+    pub denials: Family<DenialLabels, Counter>,
 }
 
 impl TcpMetrics {
@@ -305,6 +328,11 @@ impl TcpMetrics {
             "istio_tcp_received_bytes",
             "Bytes received from the client of a TCP connection, counted when it closes",
             self.received_bytes.clone(),
+        );
+        registry.register(
+            "ambit_authorization_denials",
+            "Connections refused or closed by authorization policy, by policy",
+            self.denials.clone(),
         );
     }
 }
@@ -402,6 +430,22 @@ impl ConnectionResult {
     /// Ends a connection that failed, with `flags` and the error for the log.
     pub fn fail(mut self, flags: ResponseFlags, error: &dyn fmt::Display) {
         self.record(flags, Some(error.to_string()));
+    }
+
+    /// Ends a connection that `policy` refused or closed: `DENY`, counted
+    /// in `ambit_authorization_denials_total` under the policy's name.
+    pub fn deny(mut self, policy: &str, error: &dyn fmt::Display) {
+        let l = &self.labels;
+        let labels = DenialLabels {
+            policy: policy.to_string(),
+            reporter: l.reporter,
+            destination_workload: l.destination_workload.clone(),
+            destination_workload_namespace: l.destination_workload_namespace.clone(),
+            source_principal: l.source_principal.clone(),
+            connection_security_policy: l.connection_security_policy,
+        };
+        self.metrics.denials.get_or_create(&labels).inc();
+        self.record(ResponseFlags::Deny, Some(error.to_string()));
     }
 
     fn record(&mut self, flags: ResponseFlags, error: Option<String>) {

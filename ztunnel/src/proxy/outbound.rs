@@ -151,7 +151,13 @@ pub(super) fn finish(result: ConnectionResult, outcome: Result<(u64, u64), Proxy
                 result.record_received(from_client);
                 result.record_sent(to_client);
             }
-            result.fail(e.flags(), &e);
+            match &e {
+                // The access-log line names the policy in its error.
+                ProxyError::Denied { policy } | ProxyError::Revoked { policy } => {
+                    result.deny(policy, &e)
+                }
+                _ => result.fail(e.flags(), &e),
+            }
         }
     }
 }
