@@ -242,6 +242,28 @@ fn allow_rules_empty_rule_allows_all_no_rules_allows_nothing() {
 }
 
 #[test]
+fn empty_from_and_missing_from_both_match_any_source() {
+    let yaml = pod("from", "empty", "10.5.1.1", "app: empty")
+        + &pod("from", "missing", "10.5.1.2", "app: missing")
+        + &ap(
+            "from",
+            "empty",
+            "{selector: {matchLabels: {app: empty}}, rules: [{from: [], to: [{operation: {ports: ['80']}}]}]}",
+        )
+        + &ap(
+            "from",
+            "missing",
+            "{selector: {matchLabels: {app: missing}}, rules: [{to: [{operation: {ports: ['80']}}]}]}",
+        );
+    let m = Mesh::new(&yaml);
+    for dst in ["10.5.1.1", "10.5.1.2"] {
+        assert!(m.allowed(None, dst, 80), "{dst}: plaintext on 80");
+        assert!(m.allowed(Some(CLIENT), dst, 80), "{dst}: mTLS on 80");
+        assert!(!m.allowed(Some(CLIENT), dst, 81), "{dst}: port 81 matches no rule");
+    }
+}
+
+#[test]
 fn principal_patterns() {
     let yaml = pod("pat", "star", "10.6.0.1", "app: star")
         + &pod("pat", "prefix", "10.6.0.2", "app: prefix")
