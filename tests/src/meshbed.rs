@@ -247,7 +247,7 @@ impl MeshBed {
     /// Installs a pod's redirection and hands it to its ztunnel.
     async fn enroll(&self, s: &PodSpec) -> Result<()> {
         let pod = self.pod(&s.name).clone();
-        redirect::install(&pod.netns, &redirect::RedirectPorts::default())?;
+        redirect::install(&pod.path(), &redirect::RedirectPorts::default())?;
         let msg = ZdsMessage::Add {
             uid: pod_uid(s),
             info: WorkloadInfo {
@@ -289,7 +289,7 @@ impl MeshBed {
             .clone();
         self.agent_request(s.node, ZdsMessage::Del { uid: pod_uid(&s) }, None)
             .await?;
-        redirect::remove(&self.pod(name).netns)
+        Ok(redirect::remove(&self.pod(name).path())?)
     }
 
     /// The ztunnel of `node`; panics when it was taken.

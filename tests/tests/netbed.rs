@@ -131,12 +131,12 @@ async fn redirection() {
     let ports = RedirectPorts::default();
     let _echo = netbed::echo_server(&b, 8080).await.unwrap();
     let _hbone = netbed::echo_server(&a, 15008).await.unwrap();
-    assert!(!redirect::is_installed(&a.netns).unwrap());
-    redirect::remove(&a.netns).unwrap(); // nothing installed: still fine
+    assert!(!redirect::is_installed(&a.path()).unwrap());
+    redirect::remove(&a.path()).unwrap(); // nothing installed: still fine
 
-    redirect::install(&a.netns, &ports).unwrap();
-    redirect::install(&a.netns, &ports).unwrap();
-    assert!(redirect::is_installed(&a.netns).unwrap());
+    redirect::install(&a.path(), &ports).unwrap();
+    redirect::install(&a.path(), &ports).unwrap();
+    assert!(redirect::is_installed(&a.path()).unwrap());
     let saved = ns_lines(&a.netns, &["iptables-save"]);
     let expected = redirect::rule_lines(&ports)
         .into_iter()
@@ -195,14 +195,14 @@ async fn redirection() {
     assert_eq!(round_trip(&mut s, b"marked").await.unwrap(), b"marked");
 
     // Removal restores direct behaviour (15001 is still listening, but unused).
-    redirect::remove(&a.netns).unwrap();
-    assert!(!redirect::is_installed(&a.netns).unwrap());
+    redirect::remove(&a.path()).unwrap();
+    assert!(!redirect::is_installed(&a.path()).unwrap());
     let saved = ns_lines(&a.netns, &["iptables-save"]);
     assert!(!saved.contains("AMBIT"), "{saved}");
     let rules = ns_lines(&a.netns, &["ip", "rule", "show"]);
     assert!(!rules.contains("lookup 133"), "{rules}");
     echo_ok(&a, b.addr(8080), "direct-again").await.unwrap();
-    redirect::remove(&a.netns).unwrap();
+    redirect::remove(&a.path()).unwrap();
     println!("redirection: {:?}", start.elapsed());
 }
 
@@ -228,7 +228,7 @@ async fn transparent_delivery() {
     let far = c.add_pod(1, "far").unwrap();
     let ports = RedirectPorts::default();
     for pod in [&a, &b, &far] {
-        redirect::install(&pod.netns, &ports).unwrap();
+        redirect::install(&pod.path(), &ports).unwrap();
     }
     let _whoami = netbed::whoami_server(&a, 8080).await.unwrap();
     let _hbone_b = netbed::echo_server(&b, 15008).await.unwrap();
@@ -278,11 +278,11 @@ async fn transparent_delivery() {
     // Without the policy route, the app's replies leave by eth0 and the
     // delivery never completes: the route is what makes it work.
     netbed::ip(&["-n", &a.netns, "rule", "del", "pref", "32764"]).unwrap();
-    assert!(!redirect::is_installed(&a.netns).unwrap());
+    assert!(!redirect::is_installed(&a.path()).unwrap());
     let stalled = timeout(Duration::from_millis(500), deliver(&a, 8080, far.ip)).await;
     assert!(stalled.is_err(), "delivery worked without the policy route");
-    redirect::install(&a.netns, &ports).unwrap(); // repairs a partial install
-    assert!(redirect::is_installed(&a.netns).unwrap());
+    redirect::install(&a.path(), &ports).unwrap(); // repairs a partial install
+    assert!(redirect::is_installed(&a.path()).unwrap());
     let s = timeout(STEP, deliver(&a, 8080, far.ip))
         .await
         .unwrap()

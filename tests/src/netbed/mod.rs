@@ -17,7 +17,7 @@
 //! [`can_run`] first and skip otherwise.
 
 pub mod capture;
-pub mod redirect;
+pub use ambit_cni::redirect;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::unix::fs::MetadataExt;
@@ -294,6 +294,25 @@ impl Cluster {
         setup().with_context(|| format!("wiring pod {name} on node {node}"))?;
         self.pods.push(pod.clone());
         Ok(pod)
+    }
+
+    /// Creates an empty, unwired pod namespace `<prefix>-<name>` (deleted
+    /// with the cluster), for a CNI plugin chain to wire; returns its name.
+    /// Record the wired pod with [`Cluster::adopt_pod`].
+    pub fn add_bare_netns(&mut self, name: &str) -> Result<String> {
+        let ns = format!("{}-{name}", self.prefix);
+        if self.created.contains(&ns) {
+            bail!("add_bare_netns: {ns} already exists");
+        }
+        self.add_netns(&ns)?;
+        Ok(ns)
+    }
+
+    /// Records a pod wired by someone else (e.g. the CNI plugins) so
+    /// [`Cluster::pod`] finds it.
+    pub fn adopt_pod(&mut self, pod: PodNet) {
+        self.pods.retain(|p| p.name != pod.name);
+        self.pods.push(pod);
     }
 
     /// The pod named `name`.

@@ -382,21 +382,20 @@ impl Pod {
         ConnGuard(self.tracker.clone())
     }
 
-    /// The pod's identity: its workload's trust domain when xDS knows it,
-    /// with the namespace and service account the node agent gave.
+    /// The pod's identity: the one xDS gives its workload (what peers
+    /// verify) when xDS knows it, else the node agent's namespace and
+    /// service account in the default trust domain.
     pub fn identity(&self, ctx: &ProxyContext, snap: &StateSnapshot) -> Identity {
         let uid = format!("{}//Pod/{}/{}", ctx.cluster_id, self.namespace, self.name);
-        let td = snap
-            .workload_by_uid(&uid)
-            .map(|w| w.trust_domain.clone())
-            .filter(|td| !td.is_empty())
-            .unwrap_or_else(|| DEFAULT_TRUST_DOMAIN.to_string());
+        if let Some(w) = snap.workload_by_uid(&uid) {
+            return workload_identity(&w);
+        }
         let sa = if self.service_account.is_empty() {
             "default"
         } else {
             &self.service_account
         };
-        Identity::new(td, &*self.namespace, sa)
+        Identity::new(DEFAULT_TRUST_DOMAIN, &*self.namespace, sa)
     }
 
     /// Whether `w` is this pod.

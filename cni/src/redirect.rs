@@ -1,8 +1,10 @@
 //! In-pod redirection (SPEC §4): the iptables rules and policy routing the
 //! node agent installs inside each enrolled pod's network namespace.
 //!
-//! Self-contained (std + anyhow, shells out to `ip` and `iptables-restore`)
-//! so it can move into the node agent crate unchanged.
+//! Commands (`ip`, `iptables-save`, `iptables-restore`) run as children of a
+//! short-lived thread that has entered the pod's namespace
+//! ([`PodNetns::run_in`]), so any namespace path works (`/var/run/netns/X`,
+//! `/proc/PID/ns/net`) and the agent's own threads never move.
 //!
 //! ```text
 //! nat    PREROUTING -> AMBIT_PRERT       probe source, :15008, lo: RETURN; TCP -> REDIRECT :15006
@@ -21,9 +23,52 @@
 //! never get a connmark and are never rerouted.
 
 use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use anyhow::{Context, Result, bail};
+use ambit_ztunnel::inpod::PodNetns;
+
+/// Why the redirection could not be read or changed.
+#[derive(Debug, thiserror::Error)]
+pub enum RedirectError {
+    #[error("cannot open the pod network namespace {path}: {reason}")]
+    Netns { path: PathBuf, reason: String },
+    #[error("cannot run `{command}` in {netns}: {source} (are iproute2 and iptables installed?)")]
+    Spawn {
+        command: String,
+        netns: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("`{command}` failed in {netns} ({status}): {stderr}")]
+    Failed {
+        command: String,
+        netns: String,
+        status: String,
+        stderr: String,
+    },
+}
+
+type Result<T> = std::result::Result<T, RedirectError>;
+
+/// A pod namespace the commands run in.
+struct Ns {
+    netns: PodNetns,
+    shown: String,
+}
+
+impl Ns {
+    fn open(path: &Path) -> Result<Self> {
+        let netns = PodNetns::open(path).map_err(|e| RedirectError::Netns {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        Ok(Self {
+            netns,
+            shown: path.display().to_string(),
+        })
+    }
+}
 
 /// `SO_MARK` of ztunnel's sockets inside pods (Istio's value). Matched with
 /// [`MARK_MASK`].
@@ -162,10 +207,11 @@ pub fn jump_lines() -> Vec<(&'static str, String)> {
 }
 
 /// Installs (or repairs) the redirection in network namespace `netns`
-/// (a name under `/var/run/netns`). Idempotent: re-running replaces the
+/// (its nsfs path, e.g. `/var/run/netns/NAME`). Idempotent: re-running replaces the
 /// content of Ambit's chains in one `iptables-restore` transaction (no window
 /// without redirection) and leaves exactly one jump from each builtin chain.
-pub fn install(netns: &str, ports: &RedirectPorts) -> Result<()> {
+pub fn install(netns: &Path, ports: &RedirectPorts) -> Result<()> {
+    let netns = &Ns::open(netns)?;
     // Routing first: it only matters once the mangle rules mark replies.
     if !rule_present(netns)? {
         ip(
@@ -227,7 +273,8 @@ pub fn install(netns: &str, ports: &RedirectPorts) -> Result<()> {
 
 /// Removes every trace of the redirection from `netns`: the jumps, Ambit's
 /// chains, the ip rule and the route. Succeeds when nothing is installed.
-pub fn remove(netns: &str) -> Result<()> {
+pub fn remove(netns: &Path) -> Result<()> {
+    let netns = &Ns::open(netns)?;
     let saved = iptables_save(netns)?;
     let mut script = String::new();
     for table in TABLES {
@@ -290,7 +337,8 @@ pub fn remove(netns: &str) -> Result<()> {
 
 /// Whether the redirection is fully in place in `netns`: every jump and
 /// chain, the ip rule and the route. A partial install reads as `false`.
-pub fn is_installed(netns: &str) -> Result<bool> {
+pub fn is_installed(netns: &Path) -> Result<bool> {
+    let netns = &Ns::open(netns)?;
     let saved = iptables_save(netns)?;
     let chains = CHAINS.iter().all(|c| {
         chain_exists(&saved, c.table, c.name)
@@ -319,7 +367,7 @@ fn chain_exists(saved: &str, table: &str, chain: &str) -> bool {
     table_lines(saved, table).any(|l| l.starts_with(&decl))
 }
 
-fn rule_present(netns: &str) -> Result<bool> {
+fn rule_present(netns: &Ns) -> Result<bool> {
     let rules = ip(netns, &["rule", "show"])?;
     let want = format!("fwmark 0x{DELIVERY_MARK:x}/0x{MARK_MASK:x} lookup {ROUTE_TABLE}");
     let pref = format!("{RULE_PRIORITY}:");
@@ -328,66 +376,66 @@ fn rule_present(netns: &str) -> Result<bool> {
         .any(|l| l.starts_with(&pref) && l.contains(&want)))
 }
 
-fn route_present(netns: &str) -> Result<bool> {
+fn route_present(netns: &Ns) -> Result<bool> {
     let table = ROUTE_TABLE.to_string();
-    match run("ip", &["-n", netns, "route", "show", "table", &table], None) {
+    match run(netns, "ip", &["route", "show", "table", &table], None) {
         Ok(routes) => Ok(routes
             .lines()
             .any(|l| l.starts_with("local default dev lo"))),
         // A table that never had a route does not exist yet.
-        Err(e) if format!("{e:#}").contains("does not exist") => Ok(false),
+        Err(RedirectError::Failed { stderr, .. }) if stderr.contains("does not exist") => Ok(false),
         Err(e) => Err(e),
     }
 }
 
-fn ip(netns: &str, args: &[&str]) -> Result<String> {
-    let mut argv = vec!["-n", netns];
-    argv.extend_from_slice(args);
-    run("ip", &argv, None)
+fn ip(netns: &Ns, args: &[&str]) -> Result<String> {
+    run(netns, "ip", args, None)
 }
 
-fn iptables_save(netns: &str) -> Result<String> {
-    run("ip", &["netns", "exec", netns, "iptables-save"], None)
+fn iptables_save(netns: &Ns) -> Result<String> {
+    run(netns, "iptables-save", &[], None)
 }
 
-fn iptables_restore(netns: &str, script: &str) -> Result<()> {
-    run(
-        "ip",
-        &["netns", "exec", netns, "iptables-restore", "--noflush"],
-        Some(script),
-    )
-    .with_context(|| format!("applying in-pod redirection rules:\n{script}"))?;
-    Ok(())
+fn iptables_restore(netns: &Ns, script: &str) -> Result<()> {
+    run(netns, "iptables-restore", &["--noflush"], Some(script)).map(|_| ())
 }
 
-/// Runs `program args`, feeding `stdin`; returns stdout, or an error naming
-/// the command with its exit status and stderr.
-fn run(program: &str, args: &[&str], stdin: Option<&str>) -> Result<String> {
-    let shown = format!("{program} {}", args.join(" "));
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
+/// Runs `program args` inside the namespace, feeding `stdin`; returns
+/// stdout, or an error naming the command with its exit status and stderr.
+fn run(netns: &Ns, program: &str, args: &[&str], stdin: Option<&str>) -> Result<String> {
+    let command = format!("{program} {}", args.join(" "));
+    let spawn_err = |source| RedirectError::Spawn {
+        command: command.clone(),
+        netns: netns.shown.clone(),
+        source,
+    };
+    // A child inherits the namespace of the thread that forks it.
+    let out = netns
+        .netns
+        .run_in(|| {
+            let mut child = Command::new(program)
+                .args(args)
+                .stdin(if stdin.is_some() {
+                    Stdio::piped()
+                } else {
+                    Stdio::null()
+                })
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()?;
+            if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+                pipe.write_all(input.as_bytes())?;
+            }
+            child.wait_with_output()
         })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("cannot run `{shown}`"))?;
-    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        pipe.write_all(input.as_bytes())
-            .with_context(|| format!("writing stdin of `{shown}`"))?;
-    }
-    let out = child
-        .wait_with_output()
-        .with_context(|| format!("waiting for `{shown}`"))?;
+        .map_err(spawn_err)?;
     if !out.status.success() {
-        bail!(
-            "`{shown}` failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
+        return Err(RedirectError::Failed {
+            command,
+            netns: netns.shown.clone(),
+            status: out.status.to_string(),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }

@@ -1,0 +1,170 @@
+//! The node agent's side of ZDS: it listens, ztunnel connects. Each
+//! accepted connection is checked (hello) on a dedicated thread and handed
+//! to the agent, which then talks to it with blocking requests run off the
+//! async runtime.
+
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use ambit_proto::workload::zds::WorkloadInfo;
+use ambit_ztunnel::inpod::ZdsMessage;
+use ambit_ztunnel::inpod::zds::agent::{ZdsAgentConn, ZdsListener};
+use tokio::sync::mpsc;
+
+/// How long ztunnel has to answer one request.
+pub const ACK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why talking to ztunnel failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ZdsServerError {
+    #[error("cannot listen for ztunnel on {path}: {reason}")]
+    Listen { path: PathBuf, reason: String },
+    #[error(
+        "ztunnel is not connected to the node agent (socket {0}); is ztunnel running on this node?"
+    )]
+    NotConnected(PathBuf),
+    #[error("cannot open the pod netns {path} to pass it to ztunnel: {source}")]
+    Netns {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "ZDS request to ztunnel failed: {0}; ztunnel will get a full snapshot when it reconnects"
+    )]
+    Io(String),
+    #[error("ztunnel refused {what}: {reason}")]
+    Refused { what: String, reason: String },
+}
+
+/// A connected ztunnel.
+#[derive(Clone)]
+pub struct Ztunnel {
+    conn: Arc<Mutex<ZdsAgentConn>>,
+}
+
+impl std::fmt::Debug for Ztunnel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Ztunnel")
+    }
+}
+
+impl Ztunnel {
+    /// Sends one request (with the pod's netns fd for `Add`) and waits for
+    /// the ack on a blocking thread.
+    pub async fn request(
+        &self,
+        msg: ZdsMessage,
+        netns: Option<PathBuf>,
+    ) -> Result<(), ZdsServerError> {
+        let conn = self.conn.clone();
+        let what = msg.kind().to_string();
+        let ack = tokio::task::spawn_blocking(move || -> Result<String, ZdsServerError> {
+            let file = match &netns {
+                Some(p) => {
+                    Some(
+                        std::fs::File::open(p).map_err(|source| ZdsServerError::Netns {
+                            path: p.clone(),
+                            source,
+                        })?,
+                    )
+                }
+                None => None,
+            };
+            let conn = conn.lock().unwrap_or_else(PoisonError::into_inner);
+            conn.request(&msg, file.as_ref().map(|f| f.as_fd()))
+                .map_err(|e| ZdsServerError::Io(e.to_string()))
+        })
+        .await
+        .map_err(|e| ZdsServerError::Io(e.to_string()))??;
+        if ack.is_empty() {
+            Ok(())
+        } else {
+            Err(ZdsServerError::Refused { what, reason: ack })
+        }
+    }
+
+    /// `AddWorkload` with the netns fd.
+    pub async fn add(
+        &self,
+        uid: &str,
+        info: WorkloadInfo,
+        netns: &Path,
+    ) -> Result<(), ZdsServerError> {
+        let msg = ZdsMessage::Add {
+            uid: uid.to_string(),
+            info,
+        };
+        self.request(msg, Some(netns.to_path_buf())).await
+    }
+
+    /// `DelWorkload`.
+    pub async fn del(&self, uid: &str) -> Result<(), ZdsServerError> {
+        self.request(
+            ZdsMessage::Del {
+                uid: uid.to_string(),
+            },
+            None,
+        )
+        .await
+    }
+
+    /// `SnapshotSent`.
+    pub async fn snapshot_sent(&self) -> Result<(), ZdsServerError> {
+        self.request(ZdsMessage::SnapshotSent, None).await
+    }
+}
+
+/// Binds `path` (replacing a stale socket) and accepts ztunnels on a
+/// dedicated thread, sending each to `tx`. The thread ends when `tx`'s
+/// receiver is gone.
+pub fn serve(path: &Path, tx: mpsc::Sender<Ztunnel>) -> Result<(), ZdsServerError> {
+    let listen_err = |reason: String| ZdsServerError::Listen {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| listen_err(e.to_string()))?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(listen_err(format!("removing the stale socket: {e}"))),
+    }
+    let listener = ZdsListener::bind(path).map_err(|e| listen_err(e.to_string()))?;
+    let shown = path.display().to_string();
+    std::thread::Builder::new()
+        .name("ambit-zds-accept".into())
+        .spawn(move || {
+            loop {
+                if tx.is_closed() {
+                    return;
+                }
+                // The timeout also bounds every later request's ack.
+                match listener.accept(ACK_TIMEOUT) {
+                    Ok(conn) => {
+                        tracing::info!(socket = %shown, "ztunnel connected");
+                        let z = Ztunnel {
+                            conn: Arc::new(Mutex::new(conn)),
+                        };
+                        if tx.blocking_send(z).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        let text = e.to_string();
+                        // Timeouts are how the loop notices shutdown.
+                        if !text.contains("timed out") && !text.contains("temporarily unavailable")
+                        {
+                            tracing::warn!(socket = %shown, error = %text, "ZDS accept failed");
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
+                    }
+                }
+            }
+        })
+        .map_err(|e| listen_err(e.to_string()))?;
+    Ok(())
+}

@@ -1,0 +1,140 @@
+//! `ambit-node-agent`: one per node. Installs `ambit-cni` into the node's
+//! CNI configuration, programs enrolled pods' redirection, hands pods to
+//! the node's ztunnel over ZDS. Runs until SIGTERM or ctrl-c; pods keep
+//! their redirection when it stops (a restarted agent picks them up).
+//! `--uninstall` removes the plugin from the CNI configuration and exits.
+
+use std::path::PathBuf;
+
+use ambit_cni::agent::install::{self, InstallConfig};
+use ambit_cni::agent::view::spawn_dir_view;
+use ambit_cni::agent::{Agent, AgentConfig};
+use ambit_cni::protocol::DEFAULT_AGENT_SOCKET;
+use ambit_cni::redirect::RedirectPorts;
+use anyhow::{Context, Result};
+use clap::Parser;
+use tokio::signal::unix::{SignalKind, signal};
+use tracing::info;
+
+/// Flags; each can also be set by the upper-case environment variable.
+#[derive(Debug, Parser)]
+#[command(
+    name = "ambit-node-agent",
+    version,
+    about = "Ambit node agent: ambient enrollment"
+)]
+struct Args {
+    /// This node's name.
+    #[arg(long, env = "NODE_NAME")]
+    node_name: String,
+    /// Directory of the mesh's Kubernetes YAML (local mode): namespace and
+    /// pod labels decide enrollment.
+    #[arg(long, env = "CONFIG_DIR")]
+    config_dir: PathBuf,
+    /// Where the pod table is kept across restarts.
+    #[arg(long, env = "STATE_DIR", default_value = "/var/run/ambit")]
+    state_dir: PathBuf,
+    /// Socket the CNI plugin talks to.
+    #[arg(long, env = "CNI_SOCKET", default_value = DEFAULT_AGENT_SOCKET)]
+    cni_socket: PathBuf,
+    /// Socket ztunnel connects to (ZDS).
+    #[arg(long, env = "ZDS_SOCKET", default_value = ambit_ztunnel::inpod::DEFAULT_ZDS_PATH)]
+    zds_socket: PathBuf,
+    /// Directory the container runtime execs CNI plugins from.
+    #[arg(long, env = "CNI_BIN_DIR", default_value = "/opt/cni/bin")]
+    cni_bin_dir: PathBuf,
+    /// Directory of the node's CNI network configuration.
+    #[arg(long, env = "CNI_CONF_DIR", default_value = "/etc/cni/net.d")]
+    cni_conf_dir: PathBuf,
+    /// The `ambit-cni` binary to install (default: next to this binary).
+    #[arg(long, env = "PLUGIN_BINARY")]
+    plugin_binary: Option<PathBuf>,
+    /// Let pods start unenrolled when the agent is unreachable (default:
+    /// refuse, so no pod runs unprotected).
+    #[arg(long, env = "ALLOW_WITHOUT_AGENT")]
+    allow_without_agent: bool,
+    /// Do not touch the CNI configuration (it is managed elsewhere).
+    #[arg(long, env = "NO_INSTALL")]
+    no_install: bool,
+    /// Remove the plugin from the CNI configuration and the bin dir, then exit.
+    #[arg(long)]
+    uninstall: bool,
+}
+
+fn install_config(args: &Args) -> Result<InstallConfig> {
+    let plugin_source = match &args.plugin_binary {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()
+            .context("locating this binary")?
+            .with_file_name("ambit-cni"),
+    };
+    Ok(InstallConfig {
+        plugin_source,
+        cni_bin_dir: args.cni_bin_dir.clone(),
+        cni_conf_dir: args.cni_conf_dir.clone(),
+        plugin_config: serde_json::json!({
+            "type": "ambit-cni",
+            "ambit": {
+                "agent_socket": args.cni_socket,
+                "allow_without_agent": args.allow_without_agent,
+            }
+        }),
+    })
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let args = Args::parse();
+    let install_cfg = install_config(&args)?;
+    if args.uninstall {
+        let removed = install::remove(&install_cfg)?;
+        info!(removed, "ambit-cni removed from the CNI configuration");
+        return Ok(());
+    }
+
+    let view = spawn_dir_view(args.config_dir.clone());
+    let agent = Agent::start(
+        AgentConfig {
+            cni_socket: args.cni_socket.clone(),
+            zds_socket: args.zds_socket.clone(),
+            state_dir: args.state_dir.clone(),
+            ports: RedirectPorts::default(),
+        },
+        view,
+    )
+    .await?;
+
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let watcher = if args.no_install {
+        None
+    } else {
+        let bin = install::install_binary(&install_cfg)?;
+        let outcome = install::insert(&install_cfg)?;
+        info!(binary = %bin.display(), conflist = %outcome.path().display(), "ambit-cni installed");
+        Some(tokio::spawn(install::watch_and_reinsert(
+            install_cfg.clone(),
+            async {
+                let _ = stop_rx.await;
+            },
+        )))
+    };
+    info!(node = %args.node_name, "node agent running");
+
+    let mut sigterm = signal(SignalKind::terminate())?;
+    tokio::select! {
+        _ = sigterm.recv() => info!("SIGTERM received; stopping (pods keep their redirection)"),
+        _ = tokio::signal::ctrl_c() => info!("interrupt received; stopping (pods keep their redirection)"),
+    }
+    let _ = stop_tx.send(());
+    if let Some(w) = watcher {
+        let _ = w.await;
+    }
+    agent.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,457 @@
+//! Enrollment end to end: nodes from [`crate::netbed`], pods created by
+//! running the real CNI `bridge` + `host-local` plugins chained with
+//! `ambit-cni` exactly as a container runtime does, a node agent and a
+//! ztunnel per node (in process), and the control plane serving a config
+//! directory that the node agents read too (local mode).
+//!
+//! Needs root, `ip`, `iptables`, `/usr/lib/cni/{bridge,host-local}` and the
+//! built `ambit-cni` binary (`cargo test --workspace` builds it); see
+//! [`can_run`].
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use ambit_cni::agent::view::spawn_dir_view;
+use ambit_cni::agent::{Agent, AgentConfig};
+use ambit_control::{ControlConfig, ControlPlane};
+use ambit_ztunnel::Ztunnel;
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+
+use crate::meshbed::WAIT;
+use crate::netbed::{Cluster, PodNet};
+
+/// Where Debian's `containernetworking-plugins` are.
+pub const REFERENCE_PLUGINS: &str = "/usr/lib/cni";
+
+/// The built `ambit-cni`, next to the test binary's directory.
+pub fn plugin_binary() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let dir = exe.parent()?.parent()?; // target/<profile>/deps -> target/<profile>
+    let bin = dir.join("ambit-cni");
+    bin.exists().then_some(bin)
+}
+
+/// Whether the bed can run here; prints SKIP with the reason otherwise.
+pub fn can_run(test: &str) -> bool {
+    if !crate::netbed::can_run(test) {
+        return false;
+    }
+    let plugins = ["bridge", "host-local"]
+        .iter()
+        .all(|p| Path::new(REFERENCE_PLUGINS).join(p).exists());
+    if !plugins {
+        println!(
+            "SKIP {test}: needs the CNI reference plugins in {REFERENCE_PLUGINS} (apt-get install containernetworking-plugins)"
+        );
+        return false;
+    }
+    if plugin_binary().is_none() {
+        println!(
+            "SKIP {test}: ambit-cni is not built (run `cargo build -p ambit-cni` or `cargo test --workspace`)"
+        );
+        return false;
+    }
+    true
+}
+
+/// One pod created through CNI.
+#[derive(Debug, Clone)]
+pub struct CniPod {
+    pub net: PodNet,
+    pub namespace: String,
+    pub service_account: String,
+    pub uid: String,
+    pub container_id: String,
+    /// The chain's ADD result, passed back on DEL as runtimes do.
+    pub result: Value,
+}
+
+struct Node {
+    agent: Option<Agent>,
+    ztunnel: Option<Ztunnel>,
+}
+
+/// The bed.
+pub struct EnrollBed {
+    pub cluster: Cluster,
+    config: tempfile::TempDir,
+    data: tempfile::TempDir,
+    cni_bin: tempfile::TempDir,
+    cp: Option<ControlPlane>,
+    nodes: Vec<Node>,
+    pods: BTreeMap<String, CniPod>,
+    namespaces: BTreeMap<String, bool>,
+}
+
+fn node_name(i: usize) -> String {
+    format!("node-{i}")
+}
+
+impl EnrollBed {
+    /// Nodes, control plane, a node agent and a ztunnel per node; the
+    /// namespaces in `namespaces` (`name → ambient?`).
+    pub async fn start(nodes: usize, namespaces: &[(&str, bool)]) -> Result<Self> {
+        let _ = tracing_subscriber::fmt()
+            .with_test_writer()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            )
+            .try_init();
+        let cluster = Cluster::new(nodes)?;
+        let cni_bin = tempfile::tempdir()?;
+        for p in ["bridge", "host-local"] {
+            std::os::unix::fs::symlink(
+                Path::new(REFERENCE_PLUGINS).join(p),
+                cni_bin.path().join(p),
+            )?;
+        }
+        let plugin = plugin_binary().context("ambit-cni is not built")?;
+        std::os::unix::fs::symlink(plugin, cni_bin.path().join("ambit-cni"))?;
+        let mut bed = Self {
+            cluster,
+            config: tempfile::tempdir()?,
+            data: tempfile::tempdir()?,
+            cni_bin,
+            cp: None,
+            nodes: Vec::new(),
+            pods: BTreeMap::new(),
+            namespaces: namespaces
+                .iter()
+                .map(|(n, a)| (n.to_string(), *a))
+                .collect(),
+        };
+        bed.write_namespaces()?;
+        bed.write_pods()?;
+        let mut tokens = String::new();
+        for i in 0..nodes {
+            let _ = writeln!(tokens, "token-{i} {}", node_name(i));
+        }
+        std::fs::write(bed.data.path().join("node-tokens"), tokens)?;
+        let mut cfg =
+            ControlConfig::for_tests(bed.config.path().to_path_buf(), bed.data.path().join("cp"));
+        cfg.node_tokens_file = Some(bed.data.path().join("node-tokens"));
+        bed.cp = Some(ControlPlane::start(cfg).await?);
+        for i in 0..nodes {
+            let agent = bed.start_agent(i).await?;
+            bed.nodes.push(Node {
+                agent: Some(agent),
+                ztunnel: None,
+            });
+            let zt = bed.start_ztunnel(i).await?;
+            bed.nodes[i].ztunnel = Some(zt);
+        }
+        Ok(bed)
+    }
+
+    fn agent_config(&self, node: usize) -> AgentConfig {
+        AgentConfig {
+            cni_socket: self.data.path().join(format!("cni-{node}.sock")),
+            zds_socket: self.data.path().join(format!("zds-{node}.sock")),
+            state_dir: self.data.path().join(format!("agent-{node}")),
+            ports: Default::default(),
+        }
+    }
+
+    async fn start_agent(&self, node: usize) -> Result<Agent> {
+        let view = spawn_dir_view(self.config.path().to_path_buf());
+        Ok(Agent::start(self.agent_config(node), view).await?)
+    }
+
+    async fn start_ztunnel(&self, node: usize) -> Result<Ztunnel> {
+        let cp = self.cp.as_ref().context("no control plane")?;
+        let token = self.data.path().join(format!("token-{node}"));
+        std::fs::write(&token, format!("token-{node}\n"))?;
+        let mut z =
+            ambit_ztunnel::Config::new(node_name(node), format!("https://{}", cp.xds_tls_addr()))
+                .with_ephemeral_ports();
+        z.token_file = Some(token);
+        z.root_cert = Some(self.data.path().join("cp/ca/root-cert.pem"));
+        z.zds_path = self.agent_config(node).zds_socket;
+        let zt = ambit_ztunnel::start(z).await?;
+        tokio::time::timeout(WAIT, zt.wait_ready())
+            .await
+            .context("ztunnel ready")?;
+        Ok(zt)
+    }
+
+    /// Stops and starts the ztunnel of `node` (same ZDS socket).
+    pub async fn restart_ztunnel(&mut self, node: usize) -> Result<()> {
+        if let Some(z) = self.nodes[node].ztunnel.take() {
+            z.shutdown().await;
+        }
+        let z = self.start_ztunnel(node).await?;
+        self.nodes[node].ztunnel = Some(z);
+        Ok(())
+    }
+
+    /// Stops and starts the node agent of `node` (same sockets and state).
+    pub async fn restart_agent(&mut self, node: usize) -> Result<()> {
+        if let Some(a) = self.nodes[node].agent.take() {
+            a.shutdown().await;
+        }
+        let a = self.start_agent(node).await?;
+        self.nodes[node].agent = Some(a);
+        Ok(())
+    }
+
+    /// The ztunnel of `node`.
+    pub fn ztunnel(&self, node: usize) -> &Ztunnel {
+        match self.nodes.get(node).and_then(|n| n.ztunnel.as_ref()) {
+            Some(z) => z,
+            None => panic!("no ztunnel on node {node}"),
+        }
+    }
+
+    /// The node agent of `node`.
+    pub fn agent(&self, node: usize) -> &Agent {
+        match self.nodes.get(node).and_then(|n| n.agent.as_ref()) {
+            Some(a) => a,
+            None => panic!("no agent on node {node}"),
+        }
+    }
+
+    /// A pod created by [`EnrollBed::add_pod`].
+    pub fn pod(&self, name: &str) -> &CniPod {
+        match self.pods.get(name) {
+            Some(p) => p,
+            None => panic!("no pod {name}"),
+        }
+    }
+
+    fn write_namespaces(&self) -> Result<()> {
+        let mut y = String::new();
+        for (name, ambient) in &self.namespaces {
+            let _ = write!(
+                y,
+                "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {name}\n"
+            );
+            if *ambient {
+                y.push_str("  labels:\n    istio.io/dataplane-mode: ambient\n");
+            }
+            y.push_str("---\n");
+        }
+        crate::write_atomic(&self.config.path().join("namespaces.yaml"), &y)
+    }
+
+    fn write_pods(&self) -> Result<()> {
+        let mut y = String::new();
+        for p in self.pods.values() {
+            let _ = write!(
+                y,
+                "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {}\n  namespace: {}\n  uid: {}\n  \
+                 labels: {{app: {}}}\nspec:\n  nodeName: {}\n  serviceAccountName: {}\nstatus:\n  podIP: {}\n---\n",
+                p.net.name,
+                p.namespace,
+                p.uid,
+                p.net.name,
+                node_name(p.net.node),
+                p.service_account,
+                p.net.ip
+            );
+        }
+        crate::write_atomic(&self.config.path().join("pods.yaml"), &y)
+    }
+
+    /// Sets whether namespace `ns` is ambient.
+    pub fn set_ambient(&mut self, ns: &str, ambient: bool) -> Result<()> {
+        self.namespaces.insert(ns.to_string(), ambient);
+        self.write_namespaces()
+    }
+
+    /// The plugin chain of `node`, as a conflist.
+    pub fn conflist(&self, node: usize) -> Value {
+        let n = node + 1;
+        json!({
+            "cniVersion": "1.0.0",
+            "name": "ambit-test",
+            "plugins": [
+                {
+                    "type": "bridge",
+                    "bridge": "cni0",
+                    "isGateway": true,
+                    "ipMasq": false,
+                    "ipam": {
+                        "type": "host-local",
+                        "ranges": [[{
+                            "subnet": format!("10.10.{n}.0/24"),
+                            "rangeStart": format!("10.10.{n}.100"),
+                            "rangeEnd": format!("10.10.{n}.200"),
+                            "gateway": format!("10.10.{n}.1"),
+                        }]],
+                        "routes": [{"dst": "0.0.0.0/0"}],
+                        "dataDir": self.data.path().join(format!("ipam-{node}")),
+                    }
+                },
+                {
+                    "type": "ambit-cni",
+                    "ambit": {"agent_socket": self.agent_config(node).cni_socket}
+                }
+            ]
+        })
+    }
+
+    /// Runs one plugin of the chain in `node`'s netns, as a runtime does;
+    /// returns (success, stdout).
+    pub fn exec_plugin(
+        &self,
+        node: usize,
+        conf: &Value,
+        command: &str,
+        pod: &CniPod,
+        prev: Option<&Value>,
+    ) -> Result<(bool, String)> {
+        let list = self.conflist(node);
+        let mut stdin = conf.clone();
+        if let Some(obj) = stdin.as_object_mut() {
+            obj.insert("cniVersion".into(), list["cniVersion"].clone());
+            obj.insert("name".into(), list["name"].clone());
+            if let Some(p) = prev {
+                obj.insert("prevResult".into(), p.clone());
+            }
+        }
+        let ty = conf["type"].as_str().context("plugin without type")?;
+        let args = format!(
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={};K8S_POD_INFRA_CONTAINER_ID={};K8S_POD_UID={}",
+            pod.namespace, pod.net.name, pod.container_id, pod.uid
+        );
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", self.cluster.node_netns(node)])
+            .arg(self.cni_bin.path().join(ty))
+            .env("CNI_COMMAND", command)
+            .env("CNI_CONTAINERID", &pod.container_id)
+            .env("CNI_NETNS", pod.net.path())
+            .env("CNI_IFNAME", "eth0")
+            .env("CNI_ARGS", args)
+            .env("CNI_PATH", self.cni_bin.path())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("running CNI plugin {ty}"))?;
+        if let Some(mut input) = child.stdin.take() {
+            use std::io::Write;
+            input.write_all(stdin.to_string().as_bytes())?;
+        }
+        let out = child.wait_with_output()?;
+        if !out.stderr.is_empty() {
+            tracing::debug!(plugin = ty, command, stderr = %String::from_utf8_lossy(&out.stderr), "CNI plugin stderr");
+        }
+        Ok((
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        ))
+    }
+
+    /// Creates pod `name` in namespace `ns` on `node` through the plugin
+    /// chain (ADD), then adds it to the served config (with the IP the
+    /// chain gave it). Fails with the plugin's error JSON if the chain does.
+    pub async fn add_pod(&mut self, node: usize, name: &str, ns: &str, sa: &str) -> Result<CniPod> {
+        let netns = self.cluster.add_bare_netns(name)?;
+        let mut pod = CniPod {
+            net: PodNet {
+                name: name.to_string(),
+                netns,
+                ip: Ipv4Addr::UNSPECIFIED,
+                node,
+            },
+            namespace: ns.to_string(),
+            service_account: sa.to_string(),
+            uid: format!("uid-{name}-{:08x}", rand::random::<u32>()),
+            container_id: format!("{:032x}", rand::random::<u128>()),
+            result: Value::Null,
+        };
+        let list = self.conflist(node);
+        let plugins = list["plugins"].as_array().cloned().unwrap_or_default();
+        let mut prev: Option<Value> = None;
+        for conf in &plugins {
+            let (ok, out) = self
+                .exec_plugin_async(node, conf, "ADD", &pod, prev.as_ref())
+                .await?;
+            if !ok {
+                bail!("CNI ADD of {name} failed in {}: {out}", conf["type"]);
+            }
+            prev = Some(
+                serde_json::from_str(&out)
+                    .with_context(|| format!("result of {}: {out}", conf["type"]))?,
+            );
+        }
+        let result = prev.context("empty chain")?;
+        let addr = result["ips"][0]["address"]
+            .as_str()
+            .and_then(|a| a.split('/').next())
+            .and_then(|a| a.parse::<Ipv4Addr>().ok())
+            .with_context(|| format!("no IPv4 in the chain's result: {result}"))?;
+        pod.net.ip = addr;
+        pod.result = result;
+        self.cluster.adopt_pod(pod.net.clone());
+        self.pods.insert(name.to_string(), pod.clone());
+        self.write_pods()?;
+        Ok(pod)
+    }
+
+    async fn exec_plugin_async(
+        &self,
+        node: usize,
+        conf: &Value,
+        command: &str,
+        pod: &CniPod,
+        prev: Option<&Value>,
+    ) -> Result<(bool, String)> {
+        // Plugins block (the agent may wait for ztunnel); keep the runtime free.
+        tokio::task::block_in_place(|| self.exec_plugin(node, conf, command, pod, prev))
+    }
+
+    /// Deletes pod `name` through the chain (DEL, in reverse order).
+    pub async fn del_pod(&mut self, name: &str) -> Result<()> {
+        let pod = self.pod(name).clone();
+        let list = self.conflist(pod.net.node);
+        let plugins = list["plugins"].as_array().cloned().unwrap_or_default();
+        for conf in plugins.iter().rev() {
+            let (ok, out) = self
+                .exec_plugin_async(pod.net.node, conf, "DEL", &pod, Some(&pod.result))
+                .await?;
+            if !ok {
+                bail!("CNI DEL of {name} failed in {}: {out}", conf["type"]);
+            }
+        }
+        self.pods.remove(name);
+        self.write_pods()
+    }
+
+    /// Waits until the ztunnel of `node` knows the workload at `ip`.
+    pub async fn wait_workload(&self, node: usize, ip: Ipv4Addr) -> Result<()> {
+        let reader = self.ztunnel(node).state_reader();
+        tokio::time::timeout(
+            WAIT,
+            reader.wait_for(|s| s.workload_by_ip("", ip.into()).is_some()),
+        )
+        .await
+        .with_context(|| format!("ztunnel on node {node} never learned {ip}"))?;
+        Ok(())
+    }
+
+    /// `/metrics` of the ztunnel of `node`.
+    pub async fn metrics(&self, node: usize) -> Result<String> {
+        crate::get(self.ztunnel(node).stats_addr(), "/metrics").await
+    }
+
+    /// Stops everything (namespaces go with the cluster on drop).
+    pub async fn shutdown(mut self) {
+        for n in self.nodes.drain(..) {
+            if let Some(z) = n.ztunnel {
+                z.shutdown().await;
+            }
+            if let Some(a) = n.agent {
+                a.shutdown().await;
+            }
+        }
+        if let Some(cp) = self.cp.take() {
+            cp.shutdown().await;
+        }
+    }
+}

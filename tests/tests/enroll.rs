@@ -1,0 +1,278 @@
+//! Ambient enrollment end to end: pods created by the real CNI `bridge` +
+//! `host-local` plugins chained with `ambit-cni`, a node agent per node
+//! that programs the redirection and hands pods to its ztunnel over ZDS,
+//! the control plane and the agents reading the same config directory.
+//!
+//! Needs root, `ip`, `iptables` and the CNI reference plugins; prints SKIP
+//! and passes otherwise.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use ambit_cni::redirect;
+use ambit_tests::enrollbed::{EnrollBed, can_run};
+use ambit_tests::meshbed::{WAIT, metric_sum};
+use ambit_tests::netbed::{self, Capture};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::time::timeout;
+
+const OPENED: &str = "istio_tcp_connections_opened_total";
+
+async fn echo(bed: &EnrollBed, from: &str, dst: SocketAddr, msg: &[u8]) -> Vec<u8> {
+    let mut s = timeout(WAIT, netbed::connect(&bed.pod(from).net, dst))
+        .await
+        .unwrap()
+        .unwrap();
+    timeout(WAIT, async {
+        s.write_all(msg).await.unwrap();
+        let mut b = vec![0u8; msg.len()];
+        s.read_exact(&mut b).await.unwrap();
+        b
+    })
+    .await
+    .expect("echo in time")
+}
+
+async fn eventually<F, Fut>(what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + WAIT;
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+async fn enrolled(bed: &EnrollBed, node: usize, pod: &str) -> bool {
+    bed.agent(node)
+        .pods()
+        .await
+        .iter()
+        .any(|r| r.pod.name == pod && r.enrolled)
+}
+
+async fn in_ztunnel(bed: &EnrollBed, node: usize, pod: &str) -> bool {
+    bed.ztunnel(node)
+        .pods()
+        .borrow()
+        .values()
+        .any(|p| p.name == pod)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cni_chain_enrolls_ambient_pods_and_leaves_others_alone() {
+    if !can_run("cni_chain_enrolls_ambient_pods_and_leaves_others_alone") {
+        return;
+    }
+    let mut bed = EnrollBed::start(2, &[("ai", true), ("legacy", false)])
+        .await
+        .unwrap();
+    let client = bed.add_pod(0, "client", "ai", "client").await.unwrap();
+    let server = bed.add_pod(1, "server", "ai", "server").await.unwrap();
+    let plain = bed.add_pod(0, "plain", "legacy", "plain").await.unwrap();
+    let plain_server = bed
+        .add_pod(1, "plain-server", "legacy", "web")
+        .await
+        .unwrap();
+
+    // Enrolled at ADD: rules in place and handed to ztunnel before the
+    // plugin returned.
+    assert!(enrolled(&bed, 0, "client").await);
+    assert!(in_ztunnel(&bed, 0, "client").await);
+    assert!(redirect::is_installed(&client.net.path()).unwrap());
+    assert!(!enrolled(&bed, 0, "plain").await);
+    assert!(!redirect::is_installed(&plain.net.path()).unwrap());
+    assert!(!in_ztunnel(&bed, 0, "plain").await);
+
+    bed.wait_workload(0, server.net.ip).await.unwrap();
+    bed.wait_workload(1, client.net.ip).await.unwrap();
+    let _s = netbed::echo_server(&server.net, 8080).await.unwrap();
+    let _p = netbed::echo_server(&plain_server.net, 8080).await.unwrap();
+
+    let capture = Capture::start(bed.cluster.lan_netns()).unwrap();
+    let secret = b"AMBIT-CNI-SECRET-0123456789".to_vec();
+    assert_eq!(
+        echo(&bed, "client", server.net.addr(8080), &secret).await,
+        secret
+    );
+    let before = metric_sum(&bed.metrics(0).await.unwrap(), OPENED, &[]);
+    let open = b"plain-traffic-visible-on-the-wire".to_vec();
+    assert_eq!(
+        echo(&bed, "plain", plain_server.net.addr(8080), &open).await,
+        open
+    );
+    let wire = capture.stop();
+    assert!(
+        !netbed::capture::contains(&wire, &secret),
+        "enrolled traffic crossed in plaintext"
+    );
+    assert!(
+        netbed::capture::contains(&wire, &open),
+        "non-enrolled traffic goes direct"
+    );
+
+    let m = bed.metrics(0).await.unwrap();
+    assert!(
+        metric_sum(
+            &m,
+            OPENED,
+            &[
+                ("reporter", "source"),
+                ("connection_security_policy", "mutual_tls"),
+                ("source_principal", "spiffe://cluster.local/ns/ai/sa/client"),
+            ]
+        ) >= 1.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric_sum(&m, OPENED, &[]),
+        before,
+        "the non-enrolled pod bypassed ztunnel"
+    );
+
+    // DEL releases; a second DEL (the runtime retries) still succeeds.
+    bed.del_pod("client").await.unwrap();
+    assert!(!enrolled(&bed, 0, "client").await);
+    eventually("ztunnel to drop the pod", || async {
+        !in_ztunnel(&bed, 0, "client").await
+    })
+    .await;
+    let conf = bed.conflist(0)["plugins"][1].clone();
+    let (ok, out) = bed
+        .exec_plugin(0, &conf, "DEL", &client, Some(&client.result))
+        .unwrap();
+    assert!(ok, "second DEL: {out}");
+    bed.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn namespace_label_flip_enrolls_and_releases_running_pods() {
+    if !can_run("namespace_label_flip_enrolls_and_releases_running_pods") {
+        return;
+    }
+    let mut bed = EnrollBed::start(2, &[("ai", true), ("web", false)])
+        .await
+        .unwrap();
+    let app = bed.add_pod(0, "app", "web", "app").await.unwrap();
+    let server = bed.add_pod(1, "server", "ai", "server").await.unwrap();
+    let _s = netbed::echo_server(&server.net, 8080).await.unwrap();
+    bed.wait_workload(1, app.net.ip).await.unwrap();
+    assert!(!enrolled(&bed, 0, "app").await);
+
+    // web becomes ambient: the running pod is enrolled without a restart.
+    bed.set_ambient("web", true).unwrap();
+    eventually("app to be enrolled", || async {
+        enrolled(&bed, 0, "app").await
+    })
+    .await;
+    assert!(in_ztunnel(&bed, 0, "app").await);
+    bed.wait_workload(0, server.net.ip).await.unwrap();
+    let principal = "spiffe://cluster.local/ns/web/sa/app";
+    // Its workload turns HBONE in xDS shortly after; new connections are mTLS.
+    eventually("app's connections to be mTLS", || async {
+        let _ = echo(&bed, "app", server.net.addr(8080), b"x").await;
+        let m = bed.metrics(1).await.unwrap();
+        metric_sum(
+            &m,
+            OPENED,
+            &[
+                ("source_principal", principal),
+                ("connection_security_policy", "mutual_tls"),
+            ],
+        ) >= 1.0
+    })
+    .await;
+
+    // And back: released, rules gone, traffic plaintext again.
+    bed.set_ambient("web", false).unwrap();
+    eventually("app to be released", || async {
+        !enrolled(&bed, 0, "app").await
+    })
+    .await;
+    assert!(!redirect::is_installed(&app.net.path()).unwrap());
+    eventually("ztunnel to drop app", || async {
+        !in_ztunnel(&bed, 0, "app").await
+    })
+    .await;
+    let before = metric_sum(
+        &bed.metrics(0).await.unwrap(),
+        OPENED,
+        &[("reporter", "source")],
+    );
+    assert_eq!(
+        echo(&bed, "app", server.net.addr(8080), b"plain").await,
+        b"plain"
+    );
+    let after = metric_sum(
+        &bed.metrics(0).await.unwrap(),
+        OPENED,
+        &[("reporter", "source")],
+    );
+    assert_eq!(
+        before, after,
+        "a released pod's traffic no longer goes through ztunnel"
+    );
+    bed.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarts_keep_pods_captured() {
+    if !can_run("restarts_keep_pods_captured") {
+        return;
+    }
+    let mut bed = EnrollBed::start(2, &[("ai", true)]).await.unwrap();
+    let client = bed.add_pod(0, "client", "ai", "client").await.unwrap();
+    let server = bed.add_pod(1, "server", "ai", "server").await.unwrap();
+    let _s = netbed::echo_server(&server.net, 8080).await.unwrap();
+    bed.wait_workload(0, server.net.ip).await.unwrap();
+    bed.wait_workload(1, client.net.ip).await.unwrap();
+
+    // ztunnel restart: the agent's snapshot gives the pod its listeners back.
+    bed.restart_ztunnel(0).await.unwrap();
+    let started = Instant::now();
+    let mut pods = bed.ztunnel(0).pods();
+    timeout(
+        Duration::from_secs(2),
+        pods.wait_for(|p| p.values().any(|p| p.name == "client")),
+    )
+    .await
+    .expect("listeners back within 2 s")
+    .unwrap();
+    let took = started.elapsed();
+    bed.wait_workload(0, server.net.ip).await.unwrap();
+    assert_eq!(
+        echo(&bed, "client", server.net.addr(8080), b"after-zt").await,
+        b"after-zt"
+    );
+    println!("ztunnel restart: pod listeners back {took:?} after ready");
+
+    // Node agent restart: a live connection survives, the pod stays enrolled.
+    let mut live = netbed::connect(&client.net, server.net.addr(8080))
+        .await
+        .unwrap();
+    live.write_all(b"1").await.unwrap();
+    let mut b = [0u8; 1];
+    timeout(WAIT, live.read_exact(&mut b))
+        .await
+        .unwrap()
+        .unwrap();
+    bed.restart_agent(0).await.unwrap();
+    eventually("the restarted agent to know the pod", || async {
+        enrolled(&bed, 0, "client").await
+    })
+    .await;
+    timeout(WAIT, async {
+        live.write_all(b"2").await.unwrap();
+        live.read_exact(&mut b).await.unwrap();
+    })
+    .await
+    .unwrap();
+    assert_eq!(&b, b"2");
+    assert!(redirect::is_installed(&client.net.path()).unwrap());
+    assert!(in_ztunnel(&bed, 0, "client").await);
+    bed.shutdown().await;
+}
