@@ -93,7 +93,10 @@ fn installs_serves_the_plugin_and_uninstalls() {
     assert_eq!(plugins.len(), 3, "the other plugins are kept: {plugins:?}");
     assert_eq!(plugins[0]["type"], "bridge");
     assert_eq!(plugins[1]["type"], "portmap");
-    assert_eq!(plugins[2]["ambit"]["agent_socket"], socket.to_str().unwrap());
+    assert_eq!(
+        plugins[2]["ambit"]["agent_socket"],
+        socket.to_str().unwrap()
+    );
     assert!(d.join("bin/ambit-cni").exists());
 
     // The plugin's socket answers: a pod in a non-ambient namespace is
@@ -113,7 +116,13 @@ fn installs_serves_the_plugin_and_uninstalls() {
 
     // SIGTERM: a clean exit.
     let pid = agent.0.id().to_string();
-    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
     let mut agent = agent;
     let deadline = Instant::now() + Duration::from_secs(10);
     let status = loop {

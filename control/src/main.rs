@@ -13,7 +13,10 @@ use tracing_subscriber::EnvFilter;
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            EnvFilter::try_from_env("LOG_LEVEL").unwrap_or_else(|_| EnvFilter::new("info")),
+            // RUST_LOG, as for ztunnel and the node agent; LOG_LEVEL still works.
+            EnvFilter::try_from_default_env()
+                .or_else(|_| EnvFilter::try_from_env("LOG_LEVEL"))
+                .unwrap_or_else(|_| EnvFilter::new("info")),
         )
         .init();
     let cfg = ambit_control::ControlConfig::parse();

@@ -139,6 +139,7 @@ async fn a_policy_change_closes_live_connections_it_denies_within_a_second() {
         .await
         .expect("closed in time");
     let elapsed = written.elapsed();
+    println!("denied live connection closed {elapsed:?} after the policy file was written");
     assert!(
         matches!(n, Ok(0) | Err(_)),
         "the denied connection is closed, got {n:?}"

@@ -49,10 +49,18 @@ fn demo_config_is_the_ai_platform_of_the_readme() {
         "llm-v2-0",
     ];
     for p in mesh {
-        assert_eq!(pods.get(&format!("ai-inference/{p}")), Some(&TunnelProtocol::Hbone), "{p}");
+        assert_eq!(
+            pods.get(&format!("ai-inference/{p}")),
+            Some(&TunnelProtocol::Hbone),
+            "{p}"
+        );
     }
     for p in ["legacy-client", "legacy-web"] {
-        assert_eq!(pods.get(&format!("legacy/{p}")), Some(&TunnelProtocol::Tcp), "{p}");
+        assert_eq!(
+            pods.get(&format!("legacy/{p}")),
+            Some(&TunnelProtocol::Tcp),
+            "{p}"
+        );
     }
     let llm = state
         .endpoints("ai-inference/llm.ai-inference.svc.cluster.local")

@@ -259,7 +259,10 @@ fn empty_from_and_missing_from_both_match_any_source() {
     for dst in ["10.5.1.1", "10.5.1.2"] {
         assert!(m.allowed(None, dst, 80), "{dst}: plaintext on 80");
         assert!(m.allowed(Some(CLIENT), dst, 80), "{dst}: mTLS on 80");
-        assert!(!m.allowed(Some(CLIENT), dst, 81), "{dst}: port 81 matches no rule");
+        assert!(
+            !m.allowed(Some(CLIENT), dst, 81),
+            "{dst}: port 81 matches no rule"
+        );
     }
 }
 

@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime};
 
 use ambit_control::model::objects::{Labels, Object};
 use ambit_control::model::translate::is_enrolled;
-use ambit_control::source::file::parse_documents;
+use ambit_control::source::file::{config_files, parse_documents};
 use tokio::sync::watch;
 
 /// One pod as the view knows it.
@@ -81,30 +81,21 @@ impl MeshView {
 /// How often the config directory is checked for changes.
 pub const DIR_POLL: Duration = Duration::from_millis(200);
 
-/// (path, modified, length) of every YAML file: a cheap change detector.
+/// (path, modified, length) of every config file the control plane reads
+/// (same rules: `*.yaml`/`*.yml`, recursive, no dot-entries): a cheap change
+/// detector.
 fn signature(dir: &Path) -> Vec<(PathBuf, Option<SystemTime>, u64)> {
-    let mut sig: Vec<_> = std::fs::read_dir(dir)
+    config_files(dir)
         .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| {
-            let p = e.path();
-            matches!(
-                p.extension().and_then(|x| x.to_str()),
-                Some("yaml" | "yml" | "json")
-            )
-        })
-        .map(|e| {
-            let meta = e.metadata().ok();
+        .map(|p| {
+            let meta = std::fs::metadata(&p).ok();
             (
-                e.path(),
+                p,
                 meta.as_ref().and_then(|m| m.modified().ok()),
                 meta.map_or(0, |m| m.len()),
             )
         })
-        .collect();
-    sig.sort();
-    sig
+        .collect()
 }
 
 /// Reads every YAML file of `dir` into a view. Files or documents that do
@@ -153,4 +144,41 @@ pub fn spawn_dir_view(dir: PathBuf) -> watch::Receiver<Arc<MeshView>> {
         }
     });
     rx
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_files_the_control_plane_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("team")).unwrap();
+        std::fs::write(
+            dir.path().join("team/ns.yml"),
+            "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: ai\n  labels: {istio.io/dataplane-mode: ambient}\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("pods.yaml"),
+            "apiVersion: v1\nkind: Pod\nmetadata: {name: job, namespace: ai, labels: {istio.io/dataplane-mode: none}}\n\
+             spec: {nodeName: n, serviceAccountName: batch}\n---\n\
+             apiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: ai}\nspec: {nodeName: n, serviceAccountName: web}\n",
+        )
+        .unwrap();
+        // Ignored, as by the control plane: dot-files and other extensions.
+        std::fs::write(
+            dir.path().join(".hidden.yaml"),
+            "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: other\n  labels: {istio.io/dataplane-mode: ambient}\n",
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("notes.json"), "{}").unwrap();
+        let view = read_dir_view(dir.path());
+        assert!(view.enrolled("ai", "web"), "namespace from a subdirectory");
+        assert!(!view.enrolled("ai", "job"), "the pod's own opt-out wins");
+        assert!(!view.enrolled("other", "x"), "dot-files are not read");
+        assert_eq!(view.service_account("ai", "web"), "web");
+        assert_eq!(view.service_account("ai", "unknown"), "default");
+    }
 }

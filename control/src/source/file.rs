@@ -521,6 +521,15 @@ fn merge_served(
     served
 }
 
+/// Every config file the source reads under `dir`: `*.yaml` / `*.yml`,
+/// recursively, skipping dot-entries — for other readers of the same
+/// directory (the node agent's local-mode view).
+pub fn config_files(dir: &Path) -> BTreeSet<PathBuf> {
+    let mut out = BTreeSet::new();
+    walk(dir, 0, &mut out);
+    out
+}
+
 fn walk(dir: &Path, depth: usize, out: &mut BTreeSet<PathBuf>) {
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,

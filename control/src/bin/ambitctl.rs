@@ -1,0 +1,184 @@
+//! `ambitctl`: the Ambit command line. `ambitctl local up|down|status|exec`
+//! runs a whole mesh on this host (SPEC §5); the work is done by
+//! `ambit_control::local`, this file only parses flags and prints.
+
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use ambit_control::local::{self, DownOptions, LocalCluster, UpOptions};
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(name = "ambitctl", version, about = "Ambit command line")]
+struct Cli {
+    #[command(subcommand)]
+    command: Top,
+}
+
+#[derive(Debug, Subcommand)]
+enum Top {
+    /// A whole mesh on this host: nodes and pods as network namespaces,
+    /// the control plane, node agents, ztunnels and demo apps as
+    /// background processes. Needs root.
+    #[command(subcommand)]
+    Local(LocalCmd),
+}
+
+/// Which cluster: its name and where its state is.
+#[derive(Debug, clap::Args)]
+struct Which {
+    /// Cluster name (lower-case letters and digits); prefixes its network
+    /// namespaces, so several clusters can run side by side.
+    #[arg(long, env = "AMBIT_LOCAL_NAME", default_value = local::DEFAULT_NAME)]
+    name: String,
+    /// State directory (default: /var/run/ambit-local/<name>).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Format {
+    Table,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+enum LocalCmd {
+    /// Builds the cluster from DIR's YAML and returns once the mesh is ready.
+    Up {
+        /// Directory of Kubernetes YAML: Namespaces, Pods (with
+        /// spec.nodeName and status.podIP; annotation ambit.dev/demo-app
+        /// runs `ambit-demo <args>` in the pod), Services, policies.
+        #[arg(default_value = "deploy/local/demo")]
+        dir: PathBuf,
+        #[command(flatten)]
+        which: Which,
+        /// Directory of ambit-control, ztunnel, ambit-node-agent, ambit-cni
+        /// and ambit-demo (default: the directory of this binary).
+        #[arg(long)]
+        bin_dir: Option<PathBuf>,
+        /// On failure, leave everything in place for inspection.
+        #[arg(long)]
+        keep_on_failure: bool,
+        /// Longest wait for each readiness step, in seconds.
+        #[arg(long, default_value_t = 30)]
+        timeout_secs: u64,
+    },
+    /// Stops every process, removes every network namespace and the state
+    /// directory; also after a crash or a half-finished `up`.
+    Down {
+        #[command(flatten)]
+        which: Which,
+    },
+    /// Nodes, pods, enrollment and recent connections (mTLS or plaintext).
+    Status {
+        #[command(flatten)]
+        which: Which,
+        /// Output format.
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: Format,
+    },
+    /// Runs CMD inside the network namespace of NAMESPACE/POD
+    /// (`ambit-demo` resolves to the cluster's own binary).
+    Exec {
+        #[command(flatten)]
+        which: Which,
+        /// NAMESPACE/POD.
+        pod: String,
+        /// The command and its arguments (after `--`).
+        #[arg(last = true, required = true)]
+        cmd: Vec<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            // LocalError messages already carry their causes.
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Writes to stdout; a closed pipe (`| head`) is not an error.
+fn out(text: &str) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    let _ = stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush());
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    let Top::Local(cmd) = cli.command;
+    match cmd {
+        LocalCmd::Up {
+            dir,
+            which,
+            bin_dir,
+            keep_on_failure,
+            timeout_secs,
+        } => {
+            let bin_dir = match bin_dir {
+                Some(d) => d,
+                None => std::env::current_exe()
+                    .context("locating ambitctl to find the other binaries; pass --bin-dir")?
+                    .parent()
+                    .context("ambitctl has no parent directory; pass --bin-dir")?
+                    .to_path_buf(),
+            };
+            let mut opts = UpOptions::new(dir, bin_dir);
+            opts.name = which.name;
+            opts.state_dir = which.state_dir;
+            opts.keep_on_failure = keep_on_failure;
+            opts.timeout = Duration::from_secs(timeout_secs);
+            eprintln!(
+                "Starting local cluster {} from {} (state in {}) ...",
+                opts.name,
+                opts.config_dir.display(),
+                opts.state_dir_or_default().display()
+            );
+            let cluster = local::up(&opts)?;
+            out(&cluster.summary());
+            Ok(ExitCode::SUCCESS)
+        }
+        LocalCmd::Down { which } => {
+            let mut opts = DownOptions::new(which.name);
+            opts.state_dir = which.state_dir;
+            let report = local::down(&opts)?;
+            out(&report.render());
+            Ok(ExitCode::SUCCESS)
+        }
+        LocalCmd::Status { which, output } => {
+            let cluster = LocalCluster::open(&which.name, which.state_dir.as_deref())?;
+            match output {
+                Format::Table => out(&cluster.render_status()),
+                Format::Json => out(&format!(
+                    "{}\n",
+                    serde_json::to_string_pretty(&cluster.status()).context("encoding status")?
+                )),
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        LocalCmd::Exec { which, pod, cmd } => {
+            let cluster = LocalCluster::open(&which.name, which.state_dir.as_deref())?;
+            let args: Vec<&str> = cmd.iter().map(String::as_str).collect();
+            let status = cluster
+                .command(&pod, &args)?
+                .status()
+                .with_context(|| format!("running `{}` in pod {pod}", cmd.join(" ")))?;
+            let code = match (status.code(), status.signal()) {
+                (Some(c), _) => c,
+                (None, Some(sig)) => 128 + sig,
+                (None, None) => 1,
+            };
+            Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
+        }
+    }
+}

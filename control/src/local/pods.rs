@@ -1,0 +1,46 @@
+//! Pod operations on a running cluster, as a container runtime does them.
+
+use std::time::Duration;
+
+use super::cni::{self, CniCall};
+use super::state::Role;
+use super::{LocalCluster, LocalError, netns, process};
+
+impl LocalCluster {
+    /// Deletes pod `namespace/name` as a runtime does: stops its app, runs
+    /// CNI DEL through its node's chain (reverse order, the cached ADD
+    /// result as `prevResult`), removes its netns and forgets it. The YAML
+    /// is not changed: remove the pod there too if the mesh should forget it.
+    pub fn delete_pod(&mut self, key: &str) -> Result<(), LocalError> {
+        let pod = self.pod(key)?.clone();
+        if let Some(app) = self.state.process(Role::App, Some(key))
+            && process::is_alive(app.pid)
+            && process::belongs_to(app.pid, &self.state.state_dir)
+        {
+            process::stop_all(&[app.pid], Duration::from_secs(5));
+        }
+        let node = self
+            .state
+            .node(&pod.node)
+            .cloned()
+            .ok_or_else(|| LocalError::NoSuchPod {
+                name: self.state.name.clone(),
+                pod: format!("{key} (its node {} is unknown)", pod.node),
+                known: String::new(),
+            })?;
+        let list = cni::read_conflist(&node.conflist)?;
+        let cni_bin = self.state.state_dir.join("cni-bin");
+        CniCall {
+            node: &node,
+            pod: &pod,
+            cni_bin: &cni_bin,
+        }
+        .del(&list, pod.cni_result.as_ref())?;
+        if netns::exists(&pod.netns) {
+            netns::delete(&pod.netns)?;
+        }
+        self.state.pods.retain(|p| p.key() != key);
+        self.state.netns.retain(|n| *n != pod.netns);
+        self.state.save()
+    }
+}
