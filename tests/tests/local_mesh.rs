@@ -1,0 +1,172 @@
+//! The demo mesh end to end on the code of `ambitctl local up`
+//! (`ambit_control::local`): the real binaries as processes, nodes and pods
+//! as network namespaces wired by the CNI reference plugins chained with
+//! `ambit-cni`, a node agent and a ztunnel per node, the demo apps in the
+//! pods. Each test has its own cluster name and state dir (safe in
+//! parallel) and tears it down, also when it fails.
+//!
+//! Needs root, `ip`, `iptables`, the CNI reference plugins and the
+//! workspace's binaries (`cargo test --workspace` builds them); prints SKIP
+//! and passes otherwise.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use ambit_control::local::{self, DownOnDrop, LocalCluster, UpOptions};
+use ambit_tests::enrollbed;
+use ambit_tests::{copy_fixture, workspace_root};
+
+/// Where the workspace's binaries are (next to this test's directory).
+fn bin_dir(test: &str) -> Option<PathBuf> {
+    if !enrollbed::can_run(test) {
+        return None;
+    }
+    let exe = std::env::current_exe().ok()?;
+    let dir = exe.parent()?.parent()?.to_path_buf();
+    let missing: Vec<&str> = local::BINARIES
+        .iter()
+        .copied()
+        .filter(|b| !dir.join(b).exists())
+        .collect();
+    if !missing.is_empty() {
+        println!("SKIP {test}: binaries not built: {missing:?} (cargo build --workspace)");
+        return None;
+    }
+    Some(dir)
+}
+
+fn up(
+    test: &str,
+    config: &std::path::Path,
+    bins: PathBuf,
+    state: &tempfile::TempDir,
+) -> DownOnDrop {
+    let name = format!("t{:06x}", rand::random::<u32>() & 0xff_ffff);
+    let mut opts = UpOptions::new(config, bins);
+    opts.name = name;
+    opts.state_dir = Some(state.path().join("state"));
+    let cluster = local::up(&opts).unwrap_or_else(|e| panic!("{test}: local up failed: {e}"));
+    cluster.down_on_drop()
+}
+
+fn exec(c: &LocalCluster, pod: &str, args: &[&str]) -> (bool, String) {
+    let out = c.exec(pod, args).unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
+fn eventually(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn demo_platform_is_mtls_across_nodes_and_refuses_legacy_plaintext() {
+    let test = "demo_platform_is_mtls_across_nodes_and_refuses_legacy_plaintext";
+    let Some(bins) = bin_dir(test) else { return };
+    let config = copy_fixture(&workspace_root().join("deploy/local/demo")).unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let guard = up(test, config.path(), bins, &state);
+    let c: &LocalCluster = &guard;
+
+    // Every ai-inference pod is enrolled, the legacy ones are not.
+    let status = c.status();
+    for p in &status.pods {
+        let want = p.namespace == "ai-inference";
+        assert_eq!(p.enrolled, Some(want), "{}/{}", p.namespace, p.name);
+    }
+
+    // One request through the whole chain, via Service IPs.
+    let (ok, out) = exec(
+        c,
+        "ai-inference/orchestrator-0",
+        &["ambit-demo", "--call", "http://10.96.0.10/ask", "--once"],
+    );
+    assert!(ok, "{out}");
+    for hop in ["embedding-", "vector-db-0", "llm-v"] {
+        assert!(out.contains(hop), "the chain reaches {hop}: {out}");
+    }
+
+    // The legacy client, outside the mesh, is refused by STRICT mTLS.
+    let (ok, out) = exec(
+        c,
+        "legacy/legacy-client",
+        &[
+            "ambit-demo",
+            "--call",
+            "http://10.10.1.10:8080/ask",
+            "--once",
+        ],
+    );
+    assert!(!ok, "plaintext into STRICT ai-inference must fail: {out}");
+
+    // Status shows both: cross-node mTLS, and the DENY.
+    eventually(
+        "status to show the traffic",
+        Duration::from_secs(20),
+        || {
+            let s = c.status();
+            let cross = s.connections.iter().any(|x| {
+                x.mtls
+                    && x.direction == "inbound"
+                    && x.node == "node-2"
+                    && x.src_addr.starts_with("10.10.1.")
+            });
+            let denied = s.connections.iter().any(|x| {
+                !x.mtls && x.response_flags == "DENY" && x.src_workload.contains("legacy-client")
+            });
+            cross && denied
+        },
+    );
+    guard.down().unwrap();
+}
+
+#[test]
+fn labelling_a_namespace_enrolls_its_running_pods() {
+    let test = "labelling_a_namespace_enrolls_its_running_pods";
+    let Some(bins) = bin_dir(test) else { return };
+    let config = copy_fixture(&workspace_root().join("deploy/local/demo")).unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let guard = up(test, config.path(), bins, &state);
+    let c: &LocalCluster = &guard;
+    let call = [
+        "ambit-demo",
+        "--call",
+        "http://10.10.1.10:8080/ask",
+        "--once",
+    ];
+    assert!(!exec(c, "legacy/legacy-client", &call).0);
+
+    // legacy becomes ambient: its running pods are enrolled (no restart) and
+    // the client now reaches the STRICT orchestrator over mTLS.
+    let ns = config.path().join("namespaces.yaml");
+    let text = std::fs::read_to_string(&ns).unwrap().replace(
+        "metadata:\n  name: legacy\n",
+        "metadata:\n  name: legacy\n  labels:\n    istio.io/dataplane-mode: ambient\n",
+    );
+    ambit_tests::write_atomic(&ns, &text).unwrap();
+    eventually(
+        "legacy pods to be enrolled",
+        Duration::from_secs(20),
+        || {
+            c.status()
+                .pods
+                .iter()
+                .filter(|p| p.namespace == "legacy")
+                .all(|p| p.enrolled == Some(true))
+        },
+    );
+    eventually(
+        "the legacy client to get through",
+        Duration::from_secs(20),
+        || exec(c, "legacy/legacy-client", &call).0,
+    );
+    guard.down().unwrap();
+}
