@@ -214,19 +214,7 @@ pub fn install(netns: &Path, ports: &RedirectPorts) -> Result<()> {
     let netns = &Ns::open(netns)?;
     // Routing first: it only matters once the mangle rules mark replies.
     if !rule_present(netns)? {
-        ip(
-            netns,
-            &[
-                "rule",
-                "add",
-                "fwmark",
-                &format!("0x{DELIVERY_MARK:x}/0x{MARK_MASK:x}"),
-                "pref",
-                &RULE_PRIORITY.to_string(),
-                "lookup",
-                &ROUTE_TABLE.to_string(),
-            ],
-        )?;
+        ip_rule(netns, "add")?;
     }
     ip(
         netns,
@@ -303,19 +291,7 @@ pub fn remove(netns: &Path) -> Result<()> {
         if !rule_present(netns)? {
             break;
         }
-        ip(
-            netns,
-            &[
-                "rule",
-                "del",
-                "fwmark",
-                &format!("0x{DELIVERY_MARK:x}/0x{MARK_MASK:x}"),
-                "pref",
-                &RULE_PRIORITY.to_string(),
-                "lookup",
-                &ROUTE_TABLE.to_string(),
-            ],
-        )?;
+        ip_rule(netns, "del")?;
     }
     if route_present(netns)? {
         ip(
@@ -386,6 +362,16 @@ fn route_present(netns: &Ns) -> Result<bool> {
         Err(RedirectError::Failed { stderr, .. }) if stderr.contains("does not exist") => Ok(false),
         Err(e) => Err(e),
     }
+}
+
+/// `ip rule add|del fwmark 0x111/0xfff pref 32764 lookup 133`.
+fn ip_rule(netns: &Ns, op: &str) -> Result<String> {
+    let mark = format!("0x{DELIVERY_MARK:x}/0x{MARK_MASK:x}");
+    let (pref, table) = (RULE_PRIORITY.to_string(), ROUTE_TABLE.to_string());
+    ip(
+        netns,
+        &["rule", op, "fwmark", &mark, "pref", &pref, "lookup", &table],
+    )
 }
 
 fn ip(netns: &Ns, args: &[&str]) -> Result<String> {

@@ -12,10 +12,10 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 
 use ambit_cni::agent::view::spawn_dir_view;
 use ambit_cni::agent::{Agent, AgentConfig};
+use ambit_control::local::cni::{Invocation, exec_plugin};
 use ambit_control::{ControlConfig, ControlPlane};
 use ambit_ztunnel::Ztunnel;
 use anyhow::{Context, Result, bail};
@@ -305,46 +305,23 @@ impl EnrollBed {
         pod: &CniPod,
         prev: Option<&Value>,
     ) -> Result<(bool, String)> {
-        let list = self.conflist(node);
-        let mut stdin = conf.clone();
-        if let Some(obj) = stdin.as_object_mut() {
-            obj.insert("cniVersion".into(), list["cniVersion"].clone());
-            obj.insert("name".into(), list["name"].clone());
-            if let Some(p) = prev {
-                obj.insert("prevResult".into(), p.clone());
-            }
-        }
-        let ty = conf["type"].as_str().context("plugin without type")?;
         let args = format!(
             "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={};K8S_POD_INFRA_CONTAINER_ID={};K8S_POD_UID={}",
             pod.namespace, pod.net.name, pod.container_id, pod.uid
         );
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", self.cluster.node_netns(node)])
-            .arg(self.cni_bin.path().join(ty))
-            .env("CNI_COMMAND", command)
-            .env("CNI_CONTAINERID", &pod.container_id)
-            .env("CNI_NETNS", pod.net.path())
-            .env("CNI_IFNAME", "eth0")
-            .env("CNI_ARGS", args)
-            .env("CNI_PATH", self.cni_bin.path())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("running CNI plugin {ty}"))?;
-        if let Some(mut input) = child.stdin.take() {
-            use std::io::Write;
-            input.write_all(stdin.to_string().as_bytes())?;
+        // The very code `ambitctl local up` runs pods' CNI chains with.
+        let inv = Invocation {
+            node_netns: self.cluster.node_netns(node),
+            cni_bin: self.cni_bin.path(),
+            container_id: &pod.container_id,
+            pod_netns: &pod.net.path(),
+            args: &args,
+        };
+        let (ok, out, err) = exec_plugin(&inv, &self.conflist(node), conf, command, prev)?;
+        if !err.is_empty() {
+            tracing::debug!(command, stderr = %err, "CNI plugin stderr");
         }
-        let out = child.wait_with_output()?;
-        if !out.stderr.is_empty() {
-            tracing::debug!(plugin = ty, command, stderr = %String::from_utf8_lossy(&out.stderr), "CNI plugin stderr");
-        }
-        Ok((
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-        ))
+        Ok((ok, out))
     }
 
     /// Creates pod `name` in namespace `ns` on `node` through the plugin

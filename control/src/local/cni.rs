@@ -63,6 +63,74 @@ pub fn has_ambit(path: &Path) -> bool {
 }
 
 /// A pod's identity for CNI.
+/// One plugin call's environment, as a container runtime sets it.
+#[derive(Debug, Clone, Copy)]
+pub struct Invocation<'a> {
+    /// The node's netns (the plugin runs there: it makes the host side).
+    pub node_netns: &'a str,
+    /// `CNI_PATH`, where the plugin binaries are.
+    pub cni_bin: &'a Path,
+    /// `CNI_CONTAINERID`.
+    pub container_id: &'a str,
+    /// `CNI_NETNS`.
+    pub pod_netns: &'a Path,
+    /// `CNI_ARGS` (`IgnoreUnknown=1;K8S_POD_...`).
+    pub args: &'a str,
+}
+
+/// Runs plugin `conf` of conflist `list` for `command` exactly as a runtime
+/// does: inside the node's netns, `CNI_*` in the environment, the plugin's
+/// config on stdin with the list's `cniVersion` and `name` and, for chained
+/// plugins, `prevResult`. Returns (success, stdout, stderr).
+pub fn exec_plugin(
+    inv: &Invocation<'_>,
+    list: &Value,
+    conf: &Value,
+    command: &str,
+    prev: Option<&Value>,
+) -> Result<(bool, String, String), LocalError> {
+    let ty = conf["type"].as_str().unwrap_or_default();
+    let mut stdin = conf.clone();
+    if let Some(obj) = stdin.as_object_mut() {
+        obj.insert("cniVersion".into(), list["cniVersion"].clone());
+        obj.insert("name".into(), list["name"].clone());
+        if let Some(p) = prev {
+            obj.insert("prevResult".into(), p.clone());
+        }
+    }
+    let plugin = inv.cni_bin.join(ty);
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", inv.node_netns])
+        .arg(&plugin)
+        .env("CNI_COMMAND", command)
+        .env("CNI_CONTAINERID", inv.container_id)
+        .env("CNI_NETNS", inv.pod_netns)
+        .env("CNI_IFNAME", "eth0")
+        .env("CNI_ARGS", inv.args)
+        .env("CNI_PATH", inv.cni_bin)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(LocalError::io(format!("running CNI plugin {ty}"), &plugin))?;
+    if let Some(mut input) = child.stdin.take() {
+        input
+            .write_all(stdin.to_string().as_bytes())
+            .map_err(LocalError::io(
+                format!("writing to CNI plugin {ty}"),
+                &plugin,
+            ))?;
+    }
+    let out = child
+        .wait_with_output()
+        .map_err(LocalError::io(format!("running CNI plugin {ty}"), &plugin))?;
+    Ok((
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        String::from_utf8_lossy(&out.stderr).trim().to_string(),
+    ))
+}
+
 #[derive(Debug)]
 pub struct CniCall<'a> {
     pub node: &'a NodeState,
@@ -90,46 +158,14 @@ impl CniCall<'_> {
         command: &str,
         prev: Option<&Value>,
     ) -> Result<(bool, String, String), LocalError> {
-        let ty = conf["type"].as_str().unwrap_or_default();
-        let mut stdin = conf.clone();
-        if let Some(obj) = stdin.as_object_mut() {
-            obj.insert("cniVersion".into(), list["cniVersion"].clone());
-            obj.insert("name".into(), list["name"].clone());
-            if let Some(p) = prev {
-                obj.insert("prevResult".into(), p.clone());
-            }
-        }
-        let plugin = self.cni_bin.join(ty);
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", &self.node.netns])
-            .arg(&plugin)
-            .env("CNI_COMMAND", command)
-            .env("CNI_CONTAINERID", &self.pod.container_id)
-            .env("CNI_NETNS", self.netns_path())
-            .env("CNI_IFNAME", "eth0")
-            .env("CNI_ARGS", self.args())
-            .env("CNI_PATH", self.cni_bin)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(LocalError::io(format!("running CNI plugin {ty}"), &plugin))?;
-        if let Some(mut input) = child.stdin.take() {
-            input
-                .write_all(stdin.to_string().as_bytes())
-                .map_err(LocalError::io(
-                    format!("writing to CNI plugin {ty}"),
-                    &plugin,
-                ))?;
-        }
-        let out = child
-            .wait_with_output()
-            .map_err(LocalError::io(format!("running CNI plugin {ty}"), &plugin))?;
-        Ok((
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).trim().to_string(),
-            String::from_utf8_lossy(&out.stderr).trim().to_string(),
-        ))
+        let inv = Invocation {
+            node_netns: &self.node.netns,
+            cni_bin: self.cni_bin,
+            container_id: &self.pod.container_id,
+            pod_netns: &self.netns_path(),
+            args: &self.args(),
+        };
+        exec_plugin(&inv, list, conf, command, prev)
     }
 
     fn fail(&self, plugin: &str, command: &str, stdout: &str, stderr: &str) -> LocalError {

@@ -29,7 +29,7 @@ use std::process::{Child, Command, Output};
 use std::time::Duration;
 
 mod apps;
-mod cni;
+pub mod cni;
 mod down;
 mod error;
 mod netns;
