@@ -42,6 +42,11 @@ pub fn spawn_detached(
     if std::env::var_os("RUST_LOG").is_none() {
         cmd.env("RUST_LOG", "info");
     }
+    // mimalloc would back its arenas with transparent huge pages where THP is
+    // `madvise`: ~17 MiB of an idle ztunnel's RSS (benches/README.md).
+    if std::env::var_os("MIMALLOC_ALLOW_THP").is_none() {
+        cmd.env("MIMALLOC_ALLOW_THP", "0");
+    }
     cmd.spawn()
         .map_err(LocalError::io(format!("starting {what}"), log))
 }

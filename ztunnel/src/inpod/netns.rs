@@ -344,6 +344,18 @@ fn client_socket(dst: SocketAddr, opts: &SocketOptions) -> io::Result<Socket> {
         set_transparent(&sock, dst.is_ipv6()).map_err(|e| ctx(e, "IP_TRANSPARENT"))?;
     }
     if let Some(local) = opts.bind {
+        if local.port() == 0 && local.is_ipv4() {
+            // Pick the port at connect time, unique per 4-tuple: binding the
+            // same client IP for every delivered connection would otherwise
+            // reserve a port per bind, and once TIME_WAIT sockets fill half
+            // the range each bind scans it in the kernel (milliseconds).
+            nix::sys::socket::setsockopt(
+                &sock,
+                nix::sys::socket::sockopt::IpBindAddressNoPort,
+                &true,
+            )
+            .map_err(|e| ctx(e.into(), "IP_BIND_ADDRESS_NO_PORT"))?;
+        }
         sock.bind(&SockAddr::from(local))
             .map_err(|e| ctx(e, "bind"))?;
     }
