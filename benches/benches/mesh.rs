@@ -106,7 +106,11 @@ fn rss_mib(pids: &[u32]) -> Vec<f64> {
 }
 
 /// A sink counting bytes, in the pod.
-async fn sink(pod: &PodNet, port: u16, bytes: Arc<AtomicU64>) -> Result<tokio::task::JoinHandle<()>> {
+async fn sink(
+    pod: &PodNet,
+    port: u16,
+    bytes: Arc<AtomicU64>,
+) -> Result<tokio::task::JoinHandle<()>> {
     let l = netbed::listen(pod, port)?;
     Ok(tokio::spawn(async move {
         while let Ok((mut s, _)) = l.accept().await {
@@ -145,7 +149,9 @@ fn main() -> Result<()> {
         .filter(|b| !bins.join(b).exists())
         .collect();
     if !missing.is_empty() {
-        println!("SKIP mesh bench: build the binaries first (cargo build --release --workspace --bins); missing {missing:?}");
+        println!(
+            "SKIP mesh bench: build the binaries first (cargo build --release --workspace --bins); missing {missing:?}"
+        );
         return Ok(());
     }
     let secs = Duration::from_secs(env_u64("SECS", 10));
@@ -170,8 +176,16 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?;
     let pairs = [
-        ("plain", pod(&cluster, "plain/client", 0), pod(&cluster, "plain/server", 1)),
-        ("mesh", pod(&cluster, "mesh/client", 0), pod(&cluster, "mesh/server", 1)),
+        (
+            "plain",
+            pod(&cluster, "plain/client", 0),
+            pod(&cluster, "plain/server", 1),
+        ),
+        (
+            "mesh",
+            pod(&cluster, "mesh/client", 0),
+            pod(&cluster, "mesh/server", 1),
+        ),
     ];
     let mut rows: Vec<Row> = Vec::new();
     let mut push = |what: String, plain: String, mesh: String| rows.push(Row { what, plain, mesh });
@@ -226,7 +240,15 @@ fn main() -> Result<()> {
         let gbps = rt.block_on(async {
             let _sink = sink(server, 7001, bytes.clone()).await?;
             let dst = SocketAddr::new(server.ip.into(), 7001);
-            let b = load::bulk(client, dst, &bytes, 1, secs.min(Duration::from_secs(5)), zts[0]).await?;
+            let b = load::bulk(
+                client,
+                dst,
+                &bytes,
+                1,
+                secs.min(Duration::from_secs(5)),
+                zts[0],
+            )
+            .await?;
             anyhow::Ok(b.gbps())
         })?;
         cells.push(format!("{gbps:.2} Gbit/s"));
