@@ -268,3 +268,55 @@ fn headers(src_ip: IpAddr, src: Option<&Workload>) -> HeaderMap {
     }
     h
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connect_carries_baggage_forwarded_and_traceparent() {
+        let w = Workload {
+            uid: "Kubernetes//Pod/ai/client-0".into(),
+            name: "client-0".into(),
+            namespace: "ai".into(),
+            ips: vec![],
+            hostname: String::new(),
+            network: "".into(),
+            protocol: crate::state::TunnelProtocol::Hbone,
+            trust_domain: String::new(),
+            service_account: "client".into(),
+            waypoint: None,
+            network_gateway: None,
+            node: "node-1".into(),
+            canonical_name: "client".into(),
+            canonical_revision: "v2".into(),
+            workload_type: Default::default(),
+            workload_name: "client".into(),
+            native_tunnel: false,
+            services: Default::default(),
+            authorization_policies: vec![],
+            status: crate::state::HealthStatus::Healthy,
+            cluster_id: "Kubernetes".into(),
+            locality: None,
+            host_network: false,
+            capacity: 1,
+        };
+        let h = headers("10.1.2.3".parse().unwrap(), Some(&w));
+        assert_eq!(
+            h["baggage"],
+            "k8s.cluster.name=Kubernetes,k8s.namespace.name=ai,k8s.deployment.name=client,service.name=client,service.version=v2"
+        );
+        assert_eq!(h["forwarded"], "for=10.1.2.3");
+        let tp = h["traceparent"].to_str().unwrap();
+        let parts: Vec<&str> = tp.split('-').collect();
+        assert_eq!(parts.len(), 4, "{tp}");
+        assert_eq!(
+            (parts[0], parts[1].len(), parts[2].len(), parts[3]),
+            ("00", 32, 16, "01")
+        );
+        let v6 = headers("fd00::1".parse().unwrap(), None);
+        assert_eq!(v6["forwarded"], "for=\"[fd00::1]\"");
+        assert!(v6.get("baggage").is_none());
+    }
+}
