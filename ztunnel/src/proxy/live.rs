@@ -153,3 +153,85 @@ impl LiveConnections {
         revoked
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use ambit_proto::security::{Action, Scope};
+    use ambit_proto::workload as xds;
+
+    use super::*;
+    use crate::identity::Identity;
+    use crate::rbac::PeerIdentity;
+    use crate::state::{Authorization, RbacMatch, StringMatch, Workload};
+
+    fn snapshot(deny_other: bool) -> StateSnapshot {
+        let mut s = StateSnapshot::default();
+        s.insert_workload(
+            Workload::try_from(&xds::Workload {
+                uid: "Kubernetes//Pod/ai/server".into(),
+                name: "server".into(),
+                namespace: "ai".into(),
+                addresses: vec![vec![10, 0, 0, 9]],
+                tunnel_protocol: xds::TunnelProtocol::Hbone as i32,
+                ..Default::default()
+            })
+            .unwrap(),
+        );
+        if deny_other {
+            s.insert_authorization(Authorization {
+                name: "deny-other".into(),
+                namespace: "ai".into(),
+                scope: Scope::Namespace,
+                action: Action::Deny,
+                rules: vec![vec![vec![RbacMatch {
+                    principals: vec![StringMatch::Exact("cluster.local/ns/ai/sa/other".into())],
+                    ..RbacMatch::default()
+                }]]],
+            });
+        }
+        s
+    }
+
+    fn attrs(sa: &str) -> ConnectionAttrs {
+        let id = Identity::new("cluster.local", "ai", sa);
+        ConnectionAttrs::mtls(
+            "10.0.0.1".parse().unwrap(),
+            PeerIdentity::new(&id),
+            "10.0.0.9".parse().unwrap(),
+            8080,
+        )
+    }
+
+    #[tokio::test]
+    async fn a_new_deny_revokes_only_the_connections_it_matches() {
+        let live = Arc::new(LiveConnections::default());
+        let (_keep, mut kept) = live.register(attrs("client"), "ai".into(), "server".into());
+        let (_gone, revoked) = live.register(attrs("other"), "ai".into(), "server".into());
+        // Another pod with the same address: not this registration's pod.
+        let (_elsewhere, mut elsewhere) =
+            live.register(attrs("other"), "ai".into(), "someone-else".into());
+        assert_eq!(live.len(), 3);
+
+        // Hand-built snapshots share generation 0: a cache each, as the
+        // cache is keyed by the writer's generations.
+        assert_eq!(live.recheck(&snapshot(false), "", &PolicyCache::new()), 0);
+        assert_eq!(live.recheck(&snapshot(true), "", &PolicyCache::new()), 1);
+        assert_eq!(revoked.await.unwrap(), "ai/deny-other");
+        assert!(kept.try_recv().is_err(), "the allowed connection stays");
+        assert!(
+            elsewhere.try_recv().is_err(),
+            "a connection of another pod stays"
+        );
+        assert_eq!(live.len(), 2);
+    }
+
+    #[test]
+    fn dropping_the_registration_unregisters() {
+        let live = Arc::new(LiveConnections::default());
+        let (reg, _rx) = live.register(attrs("client"), "ai".into(), "server".into());
+        assert!(!live.is_empty());
+        drop(reg);
+        assert!(live.is_empty());
+    }
+}
