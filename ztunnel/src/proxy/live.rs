@@ -165,8 +165,9 @@ mod tests {
     use crate::rbac::PeerIdentity;
     use crate::state::{Authorization, RbacMatch, StringMatch, Workload};
 
-    fn snapshot(deny_other: bool) -> StateSnapshot {
-        let mut s = StateSnapshot::default();
+    /// A published snapshot (the policy cache follows published generations).
+    fn snapshot(writer: &mut crate::state::StateWriter, deny_other: bool) -> Arc<StateSnapshot> {
+        let mut s = writer.begin();
         s.insert_workload(
             Workload::try_from(&xds::Workload {
                 uid: "Kubernetes//Pod/ai/server".into(),
@@ -190,7 +191,7 @@ mod tests {
                 }]]],
             });
         }
-        s
+        writer.publish(s)
     }
 
     fn attrs(sa: &str) -> ConnectionAttrs {
@@ -213,10 +214,13 @@ mod tests {
             live.register(attrs("other"), "ai".into(), "someone-else".into());
         assert_eq!(live.len(), 3);
 
-        // Hand-built snapshots share generation 0: a cache each, as the
-        // cache is keyed by the writer's generations.
-        assert_eq!(live.recheck(&snapshot(false), "", &PolicyCache::new()), 0);
-        assert_eq!(live.recheck(&snapshot(true), "", &PolicyCache::new()), 1);
+        let (mut writer, _reader) = crate::state::new_state();
+        let policies = PolicyCache::new();
+        assert_eq!(
+            live.recheck(&snapshot(&mut writer, false), "", &policies),
+            0
+        );
+        assert_eq!(live.recheck(&snapshot(&mut writer, true), "", &policies), 1);
         assert_eq!(revoked.await.unwrap(), "ai/deny-other");
         assert!(kept.try_recv().is_err(), "the allowed connection stays");
         assert!(
