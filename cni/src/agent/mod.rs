@@ -95,7 +95,14 @@ impl Agent {
         zds::serve(&cfg.zds_socket, zt_tx)?;
         let listener = bind_unix(&cfg.cni_socket)?;
         let (events, rx) = mpsc::channel(64);
-        let task = tokio::spawn(pods::run(table, cfg.ports, view, rx, zt_rx));
+        let task = tokio::spawn(pods::run(
+            table,
+            cfg.ports,
+            view,
+            rx,
+            zt_rx,
+            cfg.zds_socket.clone(),
+        ));
         let cni_task = tokio::spawn(serve_cni(listener, events.clone()));
         tracing::info!(cni = %cfg.cni_socket.display(), zds = %cfg.zds_socket.display(), "node agent started");
         Ok(Self {
@@ -107,12 +114,7 @@ impl Agent {
 
     /// Handles one plugin request as if it came over the socket.
     pub async fn handle(&self, req: Request) -> Reply {
-        let (tx, rx) = oneshot::channel();
-        if self.events.send(Event::Cni(req, tx)).await.is_err() {
-            return Reply::error("the node agent is shutting down", true);
-        }
-        rx.await
-            .unwrap_or_else(|_| Reply::error("the node agent dropped the request", true))
+        ask(&self.events, req).await
     }
 
     /// The pods the agent knows, enrolled or not.
@@ -152,6 +154,16 @@ fn bind_unix(path: &std::path::Path) -> Result<UnixListener, AgentError> {
 /// Largest request line the plugin may send.
 const MAX_REQUEST: usize = 64 * 1024;
 
+/// Hands a plugin request to the agent task and waits for its reply.
+async fn ask(events: &mpsc::Sender<Event>, req: Request) -> Reply {
+    let (tx, rx) = oneshot::channel();
+    if events.send(Event::Cni(req, tx)).await.is_err() {
+        return Reply::error("the node agent is shutting down", true);
+    }
+    rx.await
+        .unwrap_or_else(|_| Reply::error("the node agent dropped the request", true))
+}
+
 async fn serve_cni(listener: UnixListener, events: mpsc::Sender<Event>) {
     loop {
         match listener.accept().await {
@@ -174,16 +186,7 @@ async fn cni_connection(stream: UnixStream, events: mpsc::Sender<Event>) {
         Err(e) => Reply::error(format!("reading the request: {e}"), false),
         Ok(_) => match serde_json::from_str::<Request>(&line) {
             Err(e) => Reply::error(format!("not a valid request: {e}"), false),
-            Ok(req) => {
-                let (tx, rx) = oneshot::channel();
-                if events.send(Event::Cni(req, tx)).await.is_err() {
-                    Reply::error("the node agent is shutting down", true)
-                } else {
-                    rx.await.unwrap_or_else(|_| {
-                        Reply::error("the node agent dropped the request", true)
-                    })
-                }
-            }
+            Ok(req) => ask(&events, req).await,
         },
     };
     let mut out = serde_json::to_vec(&reply).unwrap_or_else(|_| b"{\"ok\":false}".to_vec());

@@ -97,7 +97,7 @@ struct AgentTask {
     ports: RedirectPorts,
     view: Arc<MeshView>,
     ztunnel: Option<Ztunnel>,
-    zds_socket_hint: PathBuf,
+    zds_socket: PathBuf,
 }
 
 pub(super) async fn run(
@@ -106,6 +106,7 @@ pub(super) async fn run(
     mut view_rx: watch::Receiver<Arc<MeshView>>,
     mut events: mpsc::Receiver<Event>,
     mut ztunnels: mpsc::Receiver<Ztunnel>,
+    zds_socket: PathBuf,
 ) {
     let view = view_rx.borrow_and_update().clone();
     let mut task = AgentTask {
@@ -113,7 +114,7 @@ pub(super) async fn run(
         ports,
         view,
         ztunnel: None,
-        zds_socket_hint: PathBuf::from("the ZDS socket"),
+        zds_socket,
     };
     task.reconcile().await;
     loop {
@@ -147,7 +148,7 @@ impl AgentTask {
     fn ztunnel(&self) -> Result<&Ztunnel, ZdsServerError> {
         self.ztunnel
             .as_ref()
-            .ok_or_else(|| ZdsServerError::NotConnected(self.zds_socket_hint.clone()))
+            .ok_or_else(|| ZdsServerError::NotConnected(self.zds_socket.clone()))
     }
 
     fn info(&self, rec: &PodRecord) -> WorkloadInfo {

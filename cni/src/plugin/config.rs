@@ -1,6 +1,7 @@
 //! Parsing what the runtime hands the plugin: the network configuration on
 //! stdin, `CNI_ARGS`, and the pod IPs in `prevResult`.
 
+use crate::protocol::json_kind;
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -98,7 +99,7 @@ pub fn decode(stdin: &[u8]) -> Result<Map<String, Value>, PluginError> {
         Ok(Value::Object(map)) => Ok(map),
         Ok(other) => Err(PluginError::Decode(format!(
             "expected a JSON object, got {}",
-            kind(&other)
+            json_kind(&other)
         ))),
         Err(e) => Err(PluginError::Decode(e.to_string())),
     }
@@ -119,7 +120,7 @@ pub fn version(conf: &Map<String, Value>) -> Result<String, PluginError> {
         ))),
         Some(other) => Err(PluginError::Decode(format!(
             "\"cniVersion\" must be a string, got {}",
-            kind(other)
+            json_kind(other)
         ))),
     }
 }
@@ -146,7 +147,7 @@ pub fn parse(mut conf: Map<String, Value>, cni_version: String) -> Result<NetCon
         Some(other) => {
             return Err(PluginError::InvalidConfig(format!(
                 "\"ambit\" must be an object, got {}",
-                kind(&other)
+                json_kind(&other)
             )));
         }
     };
@@ -156,7 +157,7 @@ pub fn parse(mut conf: Map<String, Value>, cni_version: String) -> Result<NetCon
         Some(other) => {
             return Err(PluginError::InvalidConfig(format!(
                 "\"prevResult\" must be an object, got {}",
-                kind(&other)
+                json_kind(&other)
             )));
         }
     };
@@ -215,7 +216,7 @@ fn required_string(conf: &Map<String, Value>, key: &str) -> Result<String, Plugi
         }
         Some(other) => Err(PluginError::InvalidConfig(format!(
             "\"{key}\" must be a string, got {}",
-            kind(other)
+            json_kind(other)
         ))),
     }
 }
@@ -229,7 +230,7 @@ pub fn prev_result_ips(prev: &Map<String, Value>) -> Result<Vec<IpAddr>, PluginE
         Some(other) => {
             return Err(PluginError::InvalidConfig(format!(
                 "\"prevResult.ips\" must be an array, got {}",
-                kind(other)
+                json_kind(other)
             )));
         }
     };
@@ -330,15 +331,4 @@ fn quoted(keys: &[&str]) -> String {
         .map(|k| format!("\"{k}\""))
         .collect::<Vec<_>>()
         .join(", ")
-}
-
-fn kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
 }

@@ -1,5 +1,6 @@
 //! Finding the node's primary network config and chaining our entry into it.
 
+use crate::protocol::json_kind;
 use std::ffi::OsStr;
 use std::fs;
 use std::io;
@@ -92,17 +93,6 @@ struct Loaded {
     format: Format,
     mode: u32,
     owner: Owner,
-}
-
-fn json_kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
 }
 
 fn bad(path: &Path, problem: impl Into<String>, hint: &'static str) -> InstallError {
