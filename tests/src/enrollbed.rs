@@ -15,13 +15,13 @@ use std::path::{Path, PathBuf};
 
 use ambit_cni::agent::view::spawn_dir_view;
 use ambit_cni::agent::{Agent, AgentConfig};
+use ambit_control::ControlPlane;
 use ambit_control::local::cni::{Invocation, exec_plugin};
-use ambit_control::{ControlConfig, ControlPlane};
 use ambit_ztunnel::Ztunnel;
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
-use crate::meshbed::WAIT;
+use crate::meshbed::{WAIT, node_name, start_control_plane, start_ztunnel};
 use crate::netbed::{Cluster, PodNet};
 
 /// Where Debian's `containernetworking-plugins` are.
@@ -87,10 +87,6 @@ pub struct EnrollBed {
     namespaces: BTreeMap<String, bool>,
 }
 
-fn node_name(i: usize) -> String {
-    format!("node-{i}")
-}
-
 impl EnrollBed {
     /// Nodes, control plane, a node agent and a ztunnel per node; the
     /// namespaces in `namespaces` (`name → ambient?`).
@@ -127,15 +123,7 @@ impl EnrollBed {
         };
         bed.write_namespaces()?;
         bed.write_pods()?;
-        let mut tokens = String::new();
-        for i in 0..nodes {
-            let _ = writeln!(tokens, "token-{i} {}", node_name(i));
-        }
-        std::fs::write(bed.data.path().join("node-tokens"), tokens)?;
-        let mut cfg =
-            ControlConfig::for_tests(bed.config.path().to_path_buf(), bed.data.path().join("cp"));
-        cfg.node_tokens_file = Some(bed.data.path().join("node-tokens"));
-        bed.cp = Some(ControlPlane::start(cfg).await?);
+        bed.cp = Some(start_control_plane(bed.config.path(), bed.data.path(), nodes).await?);
         for i in 0..nodes {
             let agent = bed.start_agent(i).await?;
             bed.nodes.push(Node {
@@ -164,19 +152,13 @@ impl EnrollBed {
 
     async fn start_ztunnel(&self, node: usize) -> Result<Ztunnel> {
         let cp = self.cp.as_ref().context("no control plane")?;
-        let token = self.data.path().join(format!("token-{node}"));
-        std::fs::write(&token, format!("token-{node}\n"))?;
-        let mut z =
-            ambit_ztunnel::Config::new(node_name(node), format!("https://{}", cp.xds_tls_addr()))
-                .with_ephemeral_ports();
-        z.token_file = Some(token);
-        z.root_cert = Some(self.data.path().join("cp/ca/root-cert.pem"));
-        z.zds_path = self.agent_config(node).zds_socket;
-        let zt = ambit_ztunnel::start(z).await?;
-        tokio::time::timeout(WAIT, zt.wait_ready())
-            .await
-            .context("ztunnel ready")?;
-        Ok(zt)
+        start_ztunnel(
+            cp,
+            self.data.path(),
+            node,
+            self.agent_config(node).zds_socket,
+        )
+        .await
     }
 
     /// Stops and starts the ztunnel of `node` (same ZDS socket).

@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -85,8 +86,53 @@ pub struct MeshBed {
     agents: Vec<Arc<Mutex<ZdsAgentConn>>>,
 }
 
-fn node_name(i: usize) -> String {
+/// The name of node `i` in the beds' YAML and tokens.
+pub fn node_name(i: usize) -> String {
     format!("node-{i}")
+}
+
+/// A control plane serving `config_dir` with its data under
+/// `<data_dir>/cp` and a bootstrap token `token-<i>` for each of `nodes`.
+pub async fn start_control_plane(
+    config_dir: &Path,
+    data_dir: &Path,
+    nodes: usize,
+) -> Result<ControlPlane> {
+    let mut tokens = String::new();
+    for i in 0..nodes {
+        let _ = writeln!(tokens, "token-{i} {}", node_name(i));
+    }
+    let tokens_file = data_dir.join("node-tokens");
+    std::fs::write(&tokens_file, tokens)?;
+    let mut cfg = ControlConfig::for_tests(config_dir.to_path_buf(), data_dir.join("cp"));
+    cfg.node_tokens_file = Some(tokens_file);
+    ControlPlane::start(cfg)
+        .await
+        .context("starting the control plane")
+}
+
+/// An in-process ztunnel for node `node` of `cp` (TLS xDS and CA, the
+/// node's bootstrap token, the mesh root) taking pods over `zds_path`;
+/// returns once it is ready.
+pub async fn start_ztunnel(
+    cp: &ControlPlane,
+    data_dir: &Path,
+    node: usize,
+    zds_path: PathBuf,
+) -> Result<Ztunnel> {
+    let token = data_dir.join(format!("token-{node}"));
+    std::fs::write(&token, format!("token-{node}\n"))?;
+    let mut z =
+        ambit_ztunnel::Config::new(node_name(node), format!("https://{}", cp.xds_tls_addr()))
+            .with_ephemeral_ports();
+    z.token_file = Some(token);
+    z.root_cert = Some(data_dir.join("cp/ca/root-cert.pem"));
+    z.zds_path = zds_path;
+    let zt = ambit_ztunnel::start(z).await?;
+    tokio::time::timeout(WAIT, zt.wait_ready())
+        .await
+        .context("ztunnel ready")?;
+    Ok(zt)
 }
 
 fn pod_uid(spec: &PodSpec) -> String {
@@ -190,37 +236,11 @@ impl MeshBed {
         std::fs::write(self.config.path().join("pods.yaml"), self.base_yaml())?;
         std::fs::write(self.config.path().join("extra.yaml"), extra_yaml)?;
         let nodes = self.cluster.nodes();
-        let mut tokens = String::new();
-        for i in 0..nodes {
-            let _ = writeln!(tokens, "token-{i} {}", node_name(i));
-        }
-        let tokens_file = self.data.path().join("node-tokens");
-        std::fs::write(&tokens_file, tokens)?;
-        let mut cfg = ControlConfig::for_tests(
-            self.config.path().to_path_buf(),
-            self.data.path().join("cp"),
-        );
-        cfg.node_tokens_file = Some(tokens_file);
-        let cp = ControlPlane::start(cfg)
-            .await
-            .context("starting the control plane")?;
-        let root = self.data.path().join("cp/ca/root-cert.pem");
-
+        let cp = start_control_plane(self.config.path(), self.data.path(), nodes).await?;
         for i in 0..nodes {
             let sock = self.data.path().join(format!("zds-{i}.sock"));
             let listener = ZdsListener::bind(&sock)?;
-            let token = self.data.path().join(format!("token-{i}"));
-            std::fs::write(&token, format!("token-{i}\n"))?;
-            let mut z =
-                ambit_ztunnel::Config::new(node_name(i), format!("https://{}", cp.xds_tls_addr()))
-                    .with_ephemeral_ports();
-            z.token_file = Some(token);
-            z.root_cert = Some(root.clone());
-            z.zds_path = sock;
-            let zt = ambit_ztunnel::start(z).await?;
-            tokio::time::timeout(WAIT, zt.wait_ready())
-                .await
-                .context("ztunnel ready")?;
+            let zt = start_ztunnel(&cp, self.data.path(), i, sock).await?;
             let conn = tokio::task::spawn_blocking(move || listener.accept(WAIT))
                 .await?
                 .context("ztunnel connecting to the node agent")?;
