@@ -261,7 +261,7 @@ fn main() -> Result<()> {
         prev = Arc::new(next);
     }
     let (wl_bytes, wl_count) = prev
-        .addresses
+        .mesh(ambit_proto::ADDRESS_TYPE_URL)
         .by_name
         .values()
         .filter(|r| r.name.contains("//Pod/"))
@@ -269,7 +269,7 @@ fn main() -> Result<()> {
             (b + r.body.value.len(), n + 1)
         });
     let svc_bytes: usize = prev
-        .addresses
+        .mesh(ambit_proto::ADDRESS_TYPE_URL)
         .by_name
         .values()
         .filter(|r| !r.name.contains("//Pod/"))
@@ -287,7 +287,7 @@ fn main() -> Result<()> {
     println!(
         "bytes per workload on the wire: {} (services: {} each)",
         wl_bytes / wl_count.max(1),
-        svc_bytes / (prev.addresses.by_name.len() - wl_count).max(1)
+        svc_bytes / (prev.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name.len() - wl_count).max(1)
     );
     drop(prev);
     drop(store);

@@ -236,7 +236,7 @@ enum Incoming {
 struct ModelMetrics {
     snapshots: Counter,
     build_seconds: Histogram,
-    resources: Family<Vec<(&'static str, &'static str)>, Gauge>,
+    resources: Family<Vec<(&'static str, String)>, Gauge>,
     config_errors: Gauge,
 }
 
@@ -272,17 +272,25 @@ impl ModelMetrics {
     }
 
     async fn run(self, mut snapshots: watch::Receiver<Arc<Snapshot>>) {
+        let mut seen = std::collections::BTreeSet::new();
         loop {
             {
                 let s = snapshots.borrow_and_update().clone();
                 self.snapshots.inc();
                 self.build_seconds.observe(s.build_time.as_secs_f64());
-                self.resources
-                    .get_or_create(&vec![("type", "address")])
-                    .set(s.addresses.by_name.len() as i64);
-                self.resources
-                    .get_or_create(&vec![("type", "authorization")])
-                    .set(s.authorizations.by_name.len() as i64);
+                let counts = s.counts_by_type();
+                // A type that vanished drops to 0 rather than keep a stale value.
+                for gone in seen.difference(&counts.keys().cloned().collect()) {
+                    self.resources
+                        .get_or_create(&vec![("type", gone.clone())])
+                        .set(0);
+                }
+                seen = counts.keys().cloned().collect();
+                for (t, n) in counts {
+                    self.resources
+                        .get_or_create(&vec![("type", t)])
+                        .set(n as i64);
+                }
                 self.config_errors.set(s.errors.len() as i64);
             }
             if snapshots.changed().await.is_err() {

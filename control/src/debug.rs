@@ -12,7 +12,7 @@ use serde::Serialize;
 use tokio::sync::watch;
 
 use crate::http::{Handler, json, respond};
-use crate::model::snapshot::{ResourceSet, Snapshot};
+use crate::model::snapshot::{MESH_SCOPE, ResourceSet, Snapshot, type_short_name};
 use crate::xds::ProxyRegistry;
 
 const INDEX: &str = "\
@@ -23,7 +23,9 @@ ambit-control monitoring endpoints:
   /debug/connections      connected proxies and what they hold
   /debug/nacks            recent xDS responses rejected by proxies
   /debug/config_errors    documents currently rejected, with file and line
-  /debug/resources?type=address|authorization   resource names and versions
+  /debug/resources?type=TYPE[&scope=SCOPE]   resource names and versions of one
+                          type (short name such as address, authorization, or the
+                          type URL); scope: a waypoint's set (default: mesh-wide)
 ";
 
 #[derive(Serialize)]
@@ -33,6 +35,8 @@ struct PushStatus {
     build_time_ms: f64,
     addresses: usize,
     authorizations: usize,
+    /// Resources per type over every scope.
+    resources: BTreeMap<String, usize>,
     config_errors: usize,
     connections: usize,
 }
@@ -119,23 +123,43 @@ impl DebugState {
                 seq: snap.seq,
                 synced: snap.synced,
                 build_time_ms: snap.build_time.as_secs_f64() * 1e3,
-                addresses: snap.addresses.by_name.len(),
-                authorizations: snap.authorizations.by_name.len(),
+                addresses: snap.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name.len(),
+                authorizations: snap.mesh(ambit_proto::AUTHORIZATION_TYPE_URL).by_name.len(),
+                resources: snap.counts_by_type(),
                 config_errors: snap.errors.len(),
                 connections: self.proxies.proxies().len(),
             }),
             "/debug/connections" => json(&self.proxies.proxies()),
             "/debug/nacks" => json(&self.proxies.nacks()),
             "/debug/config_errors" => json(&*snap.errors),
-            "/debug/resources" => match query(req).get("type").map(String::as_str) {
-                Some("address") | None => json(&resource_list(&snap.addresses)),
-                Some("authorization") => json(&resource_list(&snap.authorizations)),
-                Some(other) => respond(
-                    StatusCode::BAD_REQUEST,
-                    "text/plain",
-                    format!("unknown type {other:?}: use type=address or type=authorization\n"),
-                ),
-            },
+            "/debug/resources" => {
+                let q = query(req);
+                let wanted = q.get("type").map_or("address", String::as_str);
+                let scope = q.get("scope").map_or(MESH_SCOPE, String::as_str);
+                let types = snap.sets.get(scope);
+                let found = types.and_then(|t| {
+                    t.iter()
+                        .find(|(url, _)| **url == wanted || type_short_name(url) == wanted)
+                });
+                match found {
+                    Some((_, set)) => json(&resource_list(&set.resources)),
+                    None => {
+                        let known: Vec<String> = types
+                            .into_iter()
+                            .flat_map(|t| t.keys())
+                            .map(|u| type_short_name(u))
+                            .collect();
+                        respond(
+                            StatusCode::NOT_FOUND,
+                            "text/plain",
+                            format!(
+                                "no {wanted:?} resources in scope {scope:?}; types there: {}\n",
+                                known.join(", ")
+                            ),
+                        )
+                    }
+                }
+            }
             _ => respond(
                 StatusCode::NOT_FOUND,
                 "text/plain",

@@ -16,7 +16,7 @@ use ambit_control::ca::{
     CaMetrics, CaService, CaServiceOptions, CaStore, NodeTokenFile, SignerOptions,
     SnapshotPodLocator, generate_csr, impersonation_metadata, leaf_info, verify_identity_chain,
 };
-use ambit_control::model::{ResourceSet, Snapshot, XdsResource};
+use ambit_control::model::{ResourceFamily, Snapshot, XdsResource};
 use ambit_proto::auth::IstioCertificateRequest;
 use ambit_proto::auth::istio_certificate_service_client::IstioCertificateServiceClient;
 use ambit_proto::workload::{Address, Workload, address};
@@ -59,18 +59,17 @@ async fn start(data_dir: &Path) -> Ca {
         "# written by the local mesh tooling\ntok-node-1 node-1\ntok-node-2 node-2\n",
     )
     .unwrap();
-    let (addresses, _) = ResourceSet::build(
-        &ResourceSet::default(),
-        vec![
-            workload("shop/backend-0", "shop", "backend", "node-1"),
-            workload("shop/frontend-0", "shop", "frontend", "node-2"),
-        ],
+    let snap = Snapshot::following(
+        &Snapshot::default(),
+        vec![ResourceFamily::mesh(
+            ambit_proto::ADDRESS_TYPE_URL,
+            vec![
+                workload("shop/backend-0", "shop", "backend", "node-1"),
+                workload("shop/frontend-0", "shop", "frontend", "node-2"),
+            ],
+        )],
     );
-    let (snap_tx, snap_rx) = watch::channel(Arc::new(Snapshot {
-        seq: 1,
-        addresses,
-        ..Default::default()
-    }));
+    let (snap_tx, snap_rx) = watch::channel(Arc::new(snap));
     let store = Arc::new(CaStore::load_or_create(&data_dir.join("ca"), None).unwrap());
     let svc = CaService::new(
         store.clone(),

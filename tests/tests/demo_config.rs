@@ -32,7 +32,7 @@ fn demo_config_is_the_ai_platform_of_the_readme() {
     );
     assert!(snap.errors.is_empty(), "{:#?}", snap.errors);
     let mut state = StateSnapshot::default();
-    for (name, r) in &snap.addresses.by_name {
+    for (name, r) in &snap.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name {
         let msg = ambit_proto::workload::Address::decode(r.body.value.as_slice()).unwrap();
         state.apply_address(name, &r.version, Address::try_from(&msg).unwrap());
     }
@@ -73,11 +73,14 @@ fn demo_config_is_the_ai_platform_of_the_readme() {
     assert_eq!(ports, [8000, 8001], "each llm version keeps its own port");
     // STRICT in ai-inference: the converted policy is there.
     assert!(
-        snap.authorizations
+        snap.mesh(ambit_proto::AUTHORIZATION_TYPE_URL)
             .by_name
             .keys()
             .any(|k| k.contains("strict") || k.contains("converted")),
         "{:?}",
-        snap.authorizations.by_name.keys().collect::<Vec<_>>()
+        snap.mesh(ambit_proto::AUTHORIZATION_TYPE_URL)
+            .by_name
+            .keys()
+            .collect::<Vec<_>>()
     );
 }

@@ -32,13 +32,13 @@ impl Mesh {
         let store = Store::from_objects(objs);
         let snap = build_snapshot(&store, &Snapshot::default(), &ModelOptions::default());
         let mut state = StateSnapshot::default();
-        for (name, r) in &snap.addresses.by_name {
+        for (name, r) in &snap.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name {
             assert_eq!(r.body.type_url, ambit_proto::ADDRESS_TYPE_URL);
             let msg = ambit_proto::workload::Address::decode(r.body.value.as_slice()).unwrap();
             let addr = Address::try_from(&msg).unwrap();
             state.apply_address(name, &r.version, addr);
         }
-        for (name, r) in &snap.authorizations.by_name {
+        for (name, r) in &snap.mesh(ambit_proto::AUTHORIZATION_TYPE_URL).by_name {
             assert_eq!(r.body.type_url, ambit_proto::AUTHORIZATION_TYPE_URL);
             let msg =
                 ambit_proto::security::Authorization::decode(r.body.value.as_slice()).unwrap();

@@ -97,7 +97,7 @@ impl PodLocator for SnapshotPodLocator {
 
 fn build_index(snap: &Snapshot) -> Index {
     let mut index = Index::new();
-    for res in snap.addresses.by_name.values() {
+    for res in snap.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name.values() {
         let Ok(addr) = Address::decode(res.body.value.as_slice()) else {
             tracing::warn!(name = %res.name, "cannot decode a published Address resource; skipped for CA authorization");
             continue;

@@ -20,7 +20,7 @@ use x509_parser::prelude::{FromDer, X509Certificate};
 use super::store::{ROOT_CERT_FILE, ROOT_KEY_FILE, TRUST_BUNDLE_FILE};
 use super::verify::spiffe_id_of;
 use super::*;
-use crate::model::{ResourceSet, Snapshot, XdsResource};
+use crate::model::{Snapshot, XdsResource};
 
 pub(super) const LIMIT: Duration = Duration::from_secs(10);
 pub(super) const TD: &str = "cluster.local";
@@ -442,12 +442,17 @@ fn workload_resource(uid: &str, ns: &str, sa: &str, node: &str) -> XdsResource {
 }
 
 fn snapshot(seq: u64, items: Vec<XdsResource>) -> Arc<Snapshot> {
-    let (addresses, _) = ResourceSet::build(&ResourceSet::default(), items);
-    Arc::new(Snapshot {
-        seq,
-        addresses,
+    let prev = Snapshot {
+        seq: seq - 1,
         ..Default::default()
-    })
+    };
+    Arc::new(Snapshot::following(
+        &prev,
+        vec![crate::model::ResourceFamily::mesh(
+            ambit_proto::ADDRESS_TYPE_URL,
+            items,
+        )],
+    ))
 }
 
 #[test]

@@ -39,7 +39,9 @@ mod translate_tests;
 
 pub use decode::{DecodeError, DecodeFailure, decode_value, decode_yaml_document};
 pub use objects::{Kind, Object, ObjectKey};
-pub use snapshot::{ResourceDelta, ResourceSet, Snapshot, XdsResource};
+pub use snapshot::{
+    MESH_SCOPE, ResourceDelta, ResourceFamily, ResourceSet, Snapshot, TypedSet, XdsResource,
+};
 pub use store::{Store, build_snapshot};
 
 /// Errors of the model's API.
@@ -229,19 +231,14 @@ async fn run_writer(
             match built {
                 Ok(mut snap) => {
                     snap.synced = synced;
-                    let publish = !snap.address_delta.is_empty()
-                        || !snap.authorization_delta.is_empty()
-                        || acc.errors
-                        || acc.synced;
+                    let (changed, removed) = snap.change_count();
+                    let publish = snap.sets_differ(&current) || acc.errors || acc.synced;
                     if publish {
                         info!(
                             seq = snap.seq,
-                            addresses = snap.addresses.by_name.len(),
-                            authorizations = snap.authorizations.by_name.len(),
-                            changed = snap.address_delta.changed.len()
-                                + snap.authorization_delta.changed.len(),
-                            removed = snap.address_delta.removed.len()
-                                + snap.authorization_delta.removed.len(),
+                            resources = snap.resource_count(),
+                            changed,
+                            removed,
                             errors = snap.errors.len(),
                             build_ms = snap.build_time.as_secs_f64() * 1000.0,
                             "published snapshot"

@@ -10,7 +10,7 @@ use super::objects::{
     AuthorizationPolicy, EndpointSlice, Kind, Labels, Namespace, Object, ObjectKey,
     PeerAuthentication, Pod, Service, ServiceEntry, WorkloadEntry,
 };
-use super::snapshot::{ResourceSet, Snapshot};
+use super::snapshot::{ResourceFamily, Snapshot};
 use super::{Change, ConfigError, ModelOptions, translate};
 
 /// The objects of one namespace, by name.
@@ -227,9 +227,11 @@ impl Store {
 pub fn build_snapshot(store: &Store, prev: &Snapshot, opts: &ModelOptions) -> Snapshot {
     let started = Instant::now();
     let out = translate::translate(store, opts);
-    let (addresses, address_delta) = ResourceSet::build(&prev.addresses, out.addresses);
-    let (authorizations, authorization_delta) =
-        ResourceSet::build(&prev.authorizations, out.authorizations);
+    let families = vec![
+        ResourceFamily::mesh(ambit_proto::ADDRESS_TYPE_URL, out.addresses),
+        ResourceFamily::mesh(ambit_proto::AUTHORIZATION_TYPE_URL, out.authorizations),
+    ];
+    let sets = Snapshot::build_sets(prev, families);
     let errors = store.errors();
     let errors = if *prev.errors == errors {
         prev.errors.clone()
@@ -238,10 +240,7 @@ pub fn build_snapshot(store: &Store, prev: &Snapshot, opts: &ModelOptions) -> Sn
     };
     Snapshot {
         seq: prev.seq + 1,
-        addresses,
-        authorizations,
-        address_delta,
-        authorization_delta,
+        sets,
         synced: prev.synced,
         errors,
         build_time: started.elapsed(),

@@ -348,13 +348,20 @@ async fn debounce_coalesces_a_burst() {
     let s = next(&mut rx).await;
     assert_eq!(s.seq, 1, "one publication for the burst");
     assert!(s.synced);
-    let changed: Vec<&str> = s.address_delta.changed.iter().map(String::as_str).collect();
+    let changed: Vec<&str> = s
+        .mesh_delta(ambit_proto::ADDRESS_TYPE_URL)
+        .changed
+        .iter()
+        .map(String::as_str)
+        .collect();
     assert_eq!(
         changed,
         vec!["Kubernetes//Pod/a/p2", "Kubernetes//Pod/a/p3"]
     );
     assert!(
-        s.address_delta.removed.is_empty(),
+        s.mesh_delta(ambit_proto::ADDRESS_TYPE_URL)
+            .removed
+            .is_empty(),
         "p1 never reached a publication"
     );
     assert!(
@@ -375,14 +382,21 @@ async fn debounce_coalesces_a_burst() {
         .unwrap();
     let s2 = next(&mut rx).await;
     assert_eq!(s2.seq, 2);
-    assert!(s2.address_delta.changed.is_empty());
+    assert!(
+        s2.mesh_delta(ambit_proto::ADDRESS_TYPE_URL)
+            .changed
+            .is_empty()
+    );
     assert_eq!(
-        s2.address_delta.removed.iter().collect::<Vec<_>>(),
+        s2.mesh_delta(ambit_proto::ADDRESS_TYPE_URL)
+            .removed
+            .iter()
+            .collect::<Vec<_>>(),
         vec!["Kubernetes//Pod/a/p2"]
     );
     assert!(Arc::ptr_eq(
-        &s2.addresses.by_name["Kubernetes//Pod/a/p3"],
-        &s.addresses.by_name["Kubernetes//Pod/a/p3"]
+        &s2.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name["Kubernetes//Pod/a/p3"],
+        &s.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name["Kubernetes//Pod/a/p3"]
     ));
 }
 
@@ -410,12 +424,12 @@ async fn debounce_max_bounds_latency_under_constant_updates() {
     // Updates never pause for 200ms, so only debounce_max can publish.
     let first = next(&mut rx).await;
     assert!(
-        first.addresses.by_name.len() < 60,
+        first.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name.len() < 60,
         "published before the stream ended"
     );
     let _handle = sender.await.unwrap();
     let mut last = first;
-    while last.addresses.by_name.len() < 60 {
+    while last.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name.len() < 60 {
         last = next(&mut rx).await;
     }
     assert!(last.seq >= 2);

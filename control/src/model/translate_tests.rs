@@ -34,7 +34,7 @@ pub(crate) fn build(yaml: &str) -> Out {
     let snap = build_snapshot(&store, &Snapshot::default(), &ModelOptions::default());
     let mut workloads = BTreeMap::new();
     let mut services = BTreeMap::new();
-    for (name, r) in &snap.addresses.by_name {
+    for (name, r) in &snap.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name {
         assert_eq!(r.body.type_url, ambit_proto::ADDRESS_TYPE_URL);
         match Address::decode(r.body.value.as_slice())
             .unwrap()
@@ -52,7 +52,7 @@ pub(crate) fn build(yaml: &str) -> Out {
         }
     }
     let policies = snap
-        .authorizations
+        .mesh(ambit_proto::AUTHORIZATION_TYPE_URL)
         .by_name
         .iter()
         .map(|(n, r)| {
@@ -203,12 +203,17 @@ status:
     );
     assert_eq!(w.status, WorkloadStatus::Healthy as i32);
     assert_eq!(w.tunnel_protocol, TunnelProtocol::Hbone as i32);
-    let r = &out.snap.addresses.by_name[&w.uid];
+    let r = &out.snap.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name[&w.uid];
     assert_eq!(
         r.aliases,
         vec!["/10.1.0.5".to_string(), "/fd00::5".to_string()]
     );
-    assert_eq!(out.snap.addresses.resolve("/fd00::5"), Some(w.uid.as_str()));
+    assert_eq!(
+        out.snap
+            .mesh(ambit_proto::ADDRESS_TYPE_URL)
+            .resolve("/fd00::5"),
+        Some(w.uid.as_str())
+    );
 }
 
 #[test]
@@ -374,7 +379,9 @@ fn service_ports_and_named_target_ports() {
         p2.services["a/num.a.svc.cluster.local"].ports,
         ports(&[(80, 9090)])
     );
-    let aliases = &out.snap.addresses.by_name["a/named.a.svc.cluster.local"].aliases;
+    let aliases =
+        &out.snap.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name["a/named.a.svc.cluster.local"]
+            .aliases;
     assert_eq!(aliases, &vec!["/10.96.0.1".to_string()]);
 }
 
@@ -459,7 +466,7 @@ fn headless_service_has_no_addresses() {
     let s = &out.services["a/h.a.svc.cluster.local"];
     assert!(s.addresses.is_empty());
     assert!(
-        out.snap.addresses.by_name["a/h.a.svc.cluster.local"]
+        out.snap.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name["a/h.a.svc.cluster.local"]
             .aliases
             .is_empty()
     );
@@ -528,7 +535,7 @@ spec:
         "the DNS-name endpoint has no workload"
     );
     // aliases of the address resources
-    let r = &out.snap.addresses.by_name["ext/db.example.com"];
+    let r = &out.snap.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name["ext/db.example.com"];
     assert_eq!(
         r.aliases,
         vec!["/240.240.0.1".to_string(), "/240.240.0.2".to_string()]
@@ -599,7 +606,7 @@ spec:
             .contains_key("Kubernetes/networking.istio.io/WorkloadEntry/vm/dns"),
         "a WorkloadEntry with a DNS address has no workload"
     );
-    let r = &out.snap.addresses.by_name[&we.uid];
+    let r = &out.snap.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name[&we.uid];
     assert_eq!(r.aliases, vec!["vmnet/172.16.0.9".to_string()]);
 }
 
@@ -661,8 +668,17 @@ fn encoding_is_deterministic_and_deltas_exact() {
     let opts = ModelOptions::default();
     let s1 = build_snapshot(&store, &Snapshot::default(), &opts);
     assert_eq!(s1.seq, 1);
-    assert_eq!(s1.address_delta.changed.len(), 9);
-    let w = Address::decode(s1.addresses.by_name[&uid("a", "p")].body.value.as_slice()).unwrap();
+    assert_eq!(
+        s1.mesh_delta(ambit_proto::ADDRESS_TYPE_URL).changed.len(),
+        9
+    );
+    let w = Address::decode(
+        s1.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name[&uid("a", "p")]
+            .body
+            .value
+            .as_slice(),
+    )
+    .unwrap();
     let Some(address::Type::Workload(w)) = w.r#type else {
         panic!("not a workload")
     };
@@ -671,13 +687,13 @@ fn encoding_is_deterministic_and_deltas_exact() {
         let s2 = build_snapshot(&store, &s1, &opts);
         assert_eq!(s2.seq, 2);
         assert!(
-            s2.address_delta.is_empty(),
+            s2.mesh_delta(ambit_proto::ADDRESS_TYPE_URL).is_empty(),
             "rebuilding unchanged config yields no delta: {:?}",
-            s2.address_delta
+            s2.mesh_delta(ambit_proto::ADDRESS_TYPE_URL)
         );
-        for (name, r) in &s2.addresses.by_name {
+        for (name, r) in &s2.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name {
             assert!(
-                std::sync::Arc::ptr_eq(r, &s1.addresses.by_name[name]),
+                std::sync::Arc::ptr_eq(r, &s1.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name[name]),
                 "{name} keeps its Arc"
             );
         }
@@ -690,7 +706,7 @@ fn encoding_is_deterministic_and_deltas_exact() {
     let store2 = store_from(&yaml2);
     let s3 = build_snapshot(&store2, &s1, &opts);
     let changed: Vec<&str> = s3
-        .address_delta
+        .mesh_delta(ambit_proto::ADDRESS_TYPE_URL)
         .changed
         .iter()
         .map(String::as_str)
@@ -700,7 +716,7 @@ fn encoding_is_deterministic_and_deltas_exact() {
         vec!["Kubernetes//Pod/a/p", "a/gone.a.svc.cluster.local"]
     );
     let removed: Vec<&str> = s3
-        .address_delta
+        .mesh_delta(ambit_proto::ADDRESS_TYPE_URL)
         .removed
         .iter()
         .map(String::as_str)

@@ -315,7 +315,11 @@ async fn initial_errors_are_sent_and_objects_reach_the_model() {
         .unwrap()
         .unwrap();
     let s = snaps.borrow().clone();
-    assert!(s.addresses.by_name.contains_key("Kubernetes//Pod/a/p1"));
+    assert!(
+        s.mesh(ambit_proto::ADDRESS_TYPE_URL)
+            .by_name
+            .contains_key("Kubernetes//Pod/a/p1")
+    );
     let mut errs: Vec<(String, String)> = s
         .errors
         .iter()

@@ -15,23 +15,24 @@ use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
 use tracing::debug;
 
-use super::status::type_label;
+use super::generator::{Served, TypeSpec};
 use super::stream::{StreamCtx, StreamEnd};
-use super::{
-    CHUNK, FULL_SYNC_SLOT_TIMEOUT, LARGE_RESPONSE, SUPPORTED_TYPES, Shared, delta, resources,
-};
-use crate::model::snapshot::{ResourceSet, Snapshot, XdsResource};
+use super::{CHUNK, FULL_SYNC_SLOT_TIMEOUT, LARGE_RESPONSE, Shared};
+use crate::model::snapshot::{ResourceDelta, ResourceSet, Snapshot, XdsResource};
 
 /// What one client holds and wants of one type.
 ///
-/// A wildcard subscriber holds exactly the resources of the snapshot its
-/// stream last processed, so nothing per client is stored for it: pushes
-/// are the snapshot's own delta, or a diff of two snapshots when the stream
-/// skipped some. Only explicit (on-demand) subscriptions keep a small map of
-/// what was sent.
+/// A wildcard subscriber holds exactly `current`, the set its generator
+/// gave for the snapshot the stream last processed, so nothing per client is
+/// stored for it: pushes are the model's own delta, or a diff of two sets
+/// when the stream skipped a snapshot. Only explicit (on-demand)
+/// subscriptions keep a small map of what was sent.
 #[derive(Debug)]
 struct Subscription {
-    type_url: &'static str,
+    spec: &'static TypeSpec,
+    /// The set served for the snapshot the stream last processed (shared
+    /// with the model: an `Arc`, not a copy).
+    current: Arc<ResourceSet>,
     wildcard: bool,
     /// Names subscribed explicitly: primary names or `network/ip` aliases.
     names: HashSet<String>,
@@ -55,9 +56,10 @@ impl Changes {
 }
 
 impl Subscription {
-    fn new(type_url: &'static str) -> Self {
+    fn new(spec: &'static TypeSpec, current: Arc<ResourceSet>) -> Self {
         Self {
-            type_url,
+            spec,
+            current,
             wildcard: false,
             names: HashSet::new(),
             sent: HashMap::new(),
@@ -85,9 +87,9 @@ impl Subscription {
     }
 
     /// How many resources the client holds, for `/debug/connections`.
-    fn held(&self, set: &ResourceSet) -> usize {
+    fn held(&self) -> usize {
         if self.wildcard {
-            set.by_name.len()
+            self.current.by_name.len()
         } else {
             self.sent.len()
         }
@@ -128,21 +130,17 @@ impl Subscription {
         out
     }
 
-    /// Wildcard: the changes of one consecutive snapshot.
-    fn wildcard_delta(&self, snap: &Snapshot) -> Changes {
-        let mut out = Changes::default();
-        let (Some(set), Some(d)) = (resources(snap, self.type_url), delta(snap, self.type_url))
-        else {
-            return out;
-        };
-        out.resources = d
-            .changed
-            .iter()
-            .filter_map(|n| set.by_name.get(n))
-            .map(|r| self.to_resource(r))
-            .collect();
-        out.removed = d.removed.iter().cloned().collect();
-        out
+    /// Wildcard: the model's changes of one consecutive snapshot.
+    fn wildcard_delta(&self, set: &ResourceSet, d: &ResourceDelta) -> Changes {
+        Changes {
+            resources: d
+                .changed
+                .iter()
+                .filter_map(|n| set.by_name.get(n))
+                .map(|r| self.to_resource(r))
+                .collect(),
+            removed: d.removed.iter().cloned().collect(),
+        }
     }
 
     /// Explicit names that resolve to nothing in `set`, among `new_names`:
@@ -259,10 +257,10 @@ impl DeltaStream {
 
     async fn on_request(&mut self, req: DeltaDiscoveryRequest) -> Result<(), StreamEnd> {
         self.ctx.learn_node(req.node.as_ref());
-        let Some(type_url) = SUPPORTED_TYPES.iter().copied().find(|t| *t == req.type_url) else {
-            debug!(type_url = %req.type_url, "ignoring a request for a type this server does not serve");
+        let Some(spec) = self.ctx.spec(&req.type_url) else {
             return Ok(());
         };
+        let type_url = spec.type_url;
         if !req.response_nonce.is_empty() {
             if self
                 .sync_slot
@@ -272,13 +270,14 @@ impl DeltaStream {
                 self.sync_slot = None;
             }
             self.ctx
-                .acked(type_url, &req.response_nonce, req.error_detail.as_ref());
+                .acked(spec, &req.response_nonce, req.error_detail.as_ref());
         }
 
-        let idx = match self.subs.iter().position(|s| s.type_url == type_url) {
+        let served = self.ctx.generate(&self.snap, type_url);
+        let idx = match self.subs.iter().position(|s| s.spec.type_url == type_url) {
             Some(i) => i,
             None => {
-                self.subs.push(Subscription::new(type_url));
+                self.subs.push(Subscription::new(spec, served.set.clone()));
                 self.subs.len() - 1
             }
         };
@@ -287,15 +286,13 @@ impl DeltaStream {
         // served a few at a time instead of all holding large responses.
         let wants_all = req.resource_names_subscribe.is_empty()
             || req.resource_names_subscribe.iter().any(|n| n == "*");
-        let large =
-            resources(&self.snap, type_url).is_some_and(|set| set.by_name.len() >= LARGE_RESPONSE);
+        let large = served.set.by_name.len() >= LARGE_RESPONSE;
         if wants_all && large && (!self.subs[idx].answered || !self.subs[idx].wildcard) {
             self.reserve_full_sync().await?;
         }
-        let Some(set) = resources(&self.snap, type_url) else {
-            return Ok(());
-        };
+        let set = &*served.set;
         let sub = &mut self.subs[idx];
+        sub.current = served.set.clone();
         let first = !sub.answered;
         let was_wildcard = sub.wildcard;
         if first {
@@ -371,22 +368,26 @@ impl DeltaStream {
         Ok(())
     }
 
+    /// Brings every subscription in line with a new snapshot, in the
+    /// generator's type order (ADS ordering).
     async fn on_snapshot(&mut self, snap: Arc<Snapshot>) -> Result<(), StreamEnd> {
         let consecutive = snap.seq == self.snap.seq + 1;
-        let prev = std::mem::replace(&mut self.snap, snap);
-        for idx in 0..self.subs.len() {
-            let sub = &mut self.subs[idx];
-            let (Some(old), Some(new)) = (
-                resources(&prev, sub.type_url),
-                resources(&self.snap, sub.type_url),
-            ) else {
+        self.snap = snap;
+        for spec in self.ctx.served_types() {
+            let Some(idx) = self.subs.iter().position(|s| s.spec == spec) else {
                 continue;
             };
-            let changes = match (sub.wildcard, consecutive) {
-                (true, true) => sub.wildcard_delta(&self.snap),
-                (true, false) => sub.wildcard_diff(old, new),
-                (false, _) => sub.reconcile_explicit(new, &[]),
+            let Served { set, delta } = self.ctx.generate(&self.snap, spec.type_url);
+            let sub = &mut self.subs[idx];
+            if Arc::ptr_eq(&sub.current, &set) {
+                continue;
+            }
+            let changes = match (sub.wildcard, consecutive, delta) {
+                (true, true, Some(d)) => sub.wildcard_delta(&set, &d),
+                (true, _, _) => sub.wildcard_diff(&sub.current, &set),
+                (false, _, _) => sub.reconcile_explicit(&set, &[]),
             };
+            sub.current = set;
             if !changes.is_empty() {
                 self.send(idx, changes).await?;
             }
@@ -427,7 +428,8 @@ impl DeltaStream {
     /// [`ambit_proto::PARTIAL_RESPONSE_MARKER`]; Ambit's ztunnel counts a
     /// type as synced only at the last one.
     async fn send(&mut self, idx: usize, changes: Changes) -> Result<(), StreamEnd> {
-        let type_url = self.subs[idx].type_url;
+        let spec = self.subs[idx].spec;
+        let type_url = spec.type_url;
         let Changes {
             mut resources,
             removed,
@@ -436,7 +438,7 @@ impl DeltaStream {
         if resources.len() >= LARGE_RESPONSE && !reserved {
             self.reserve_full_sync().await?;
         }
-        let labels = vec![("type", type_label(type_url))];
+        let labels = vec![("type", spec.label)];
         let bytes: usize = resources
             .iter()
             .map(|r| r.resource.as_ref().map_or(0, |a| a.value.len()))
@@ -488,7 +490,7 @@ impl DeltaStream {
                 .await
                 .map_err(|_| StreamEnd::ClientGone)?;
         }
-        let held = super::resources(&self.snap, type_url).map_or(0, |set| self.subs[idx].held(set));
+        let held = self.subs[idx].held();
         self.ctx.shared.registry.update(self.ctx.id, |p| {
             let t = p.types.entry(type_url.to_string()).or_default();
             t.pushes += chunks as u64;

@@ -1,5 +1,6 @@
-//! The ADS server: Delta (first-class) and state-of-the-world streams for
-//! `istio.workload.Address` and `istio.security.Authorization`.
+//! The ADS server: Delta (first-class) and state-of-the-world streams.
+//! What a stream serves comes from the generator of its proxy's kind
+//! ([`generator`]): the workload API for ztunnels today.
 //!
 //! Every stream is its own task. It watches the model's snapshot channel
 //! (latest state wins: a slow stream skips intermediate snapshots and
@@ -7,9 +8,12 @@
 //! queue, so a client that does not read stalls only itself.
 
 mod delta;
+pub mod generator;
+pub mod proxy;
 mod sotw;
 pub mod status;
 mod stream;
+pub mod ztunnel;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -26,7 +30,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
-use crate::model::snapshot::{ResourceDelta, ResourceSet, Snapshot};
+use crate::model::snapshot::Snapshot;
+pub use generator::{Generator, Generators, Served, TypeSpec};
+pub use proxy::{ProxyKind, ProxyNode};
 pub use status::{ProxyRegistry, XdsMetrics};
 
 /// Responses a stream may have queued before it waits for the client.
@@ -46,16 +52,11 @@ const CONCURRENT_FULL_SYNCS: usize = 8;
 /// A full sync holds its slot until ACKed, or at most this long.
 const FULL_SYNC_SLOT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// The xDS types this server serves.
-pub const SUPPORTED_TYPES: [&str; 2] = [
-    ambit_proto::ADDRESS_TYPE_URL,
-    ambit_proto::AUTHORIZATION_TYPE_URL,
-];
-
 /// Shared by every stream of one server.
 #[derive(Debug)]
 struct Shared {
     snapshots: watch::Receiver<Arc<Snapshot>>,
+    generators: Generators,
     registry: Arc<ProxyRegistry>,
     metrics: XdsMetrics,
     next_connection: AtomicU64,
@@ -69,14 +70,26 @@ pub struct XdsServer {
 }
 
 impl XdsServer {
+    /// A server with every generator this control plane has.
     pub fn new(
         snapshots: watch::Receiver<Arc<Snapshot>>,
+        registry: Arc<ProxyRegistry>,
+        metrics: XdsMetrics,
+    ) -> Self {
+        Self::with_generators(snapshots, Generators::standard(), registry, metrics)
+    }
+
+    /// A server with the given generators.
+    pub fn with_generators(
+        snapshots: watch::Receiver<Arc<Snapshot>>,
+        generators: Generators,
         registry: Arc<ProxyRegistry>,
         metrics: XdsMetrics,
     ) -> Self {
         Self {
             shared: Arc::new(Shared {
                 snapshots,
+                generators,
                 registry,
                 metrics,
                 next_connection: AtomicU64::new(1),
@@ -94,24 +107,6 @@ impl XdsServer {
 
     fn next_connection(&self) -> u64 {
         self.shared.next_connection.fetch_add(1, Ordering::Relaxed)
-    }
-}
-
-/// Resources of `type_url` in `snap`, when the type is served.
-fn resources<'a>(snap: &'a Snapshot, type_url: &str) -> Option<&'a ResourceSet> {
-    match type_url {
-        ambit_proto::ADDRESS_TYPE_URL => Some(&snap.addresses),
-        ambit_proto::AUTHORIZATION_TYPE_URL => Some(&snap.authorizations),
-        _ => None,
-    }
-}
-
-/// Changes of `type_url` between `snap.seq - 1` and `snap`.
-fn delta<'a>(snap: &'a Snapshot, type_url: &str) -> Option<&'a ResourceDelta> {
-    match type_url {
-        ambit_proto::ADDRESS_TYPE_URL => Some(&snap.address_delta),
-        ambit_proto::AUTHORIZATION_TYPE_URL => Some(&snap.authorization_delta),
-        _ => None,
     }
 }
 

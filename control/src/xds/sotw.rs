@@ -9,16 +9,15 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
 use tokio::sync::{mpsc, watch};
 use tonic::{Status, Streaming};
-use tracing::debug;
 
-use super::status::type_label;
+use super::Shared;
+use super::generator::TypeSpec;
 use super::stream::{StreamCtx, StreamEnd};
-use super::{SUPPORTED_TYPES, Shared, resources};
 use crate::model::snapshot::{ResourceSet, Snapshot};
 
 #[derive(Debug)]
 struct Subscription {
-    type_url: &'static str,
+    spec: &'static TypeSpec,
     /// Explicit names; empty (or `*`) means every resource.
     names: HashSet<String>,
     /// Primary name -> version of the last response sent.
@@ -106,8 +105,11 @@ impl SotwStream {
                         return Err(StreamEnd::ModelStopped);
                     }
                     self.snap = snapshots.borrow_and_update().clone();
-                    for idx in 0..self.subs.len() {
-                        self.push_if_changed(idx, false).await?;
+                    // In the generator's type order (ADS ordering).
+                    for spec in self.ctx.served_types() {
+                        if let Some(idx) = self.subs.iter().position(|s| s.spec == spec) {
+                            self.push_if_changed(idx, false).await?;
+                        }
                     }
                 }
             }
@@ -116,20 +118,19 @@ impl SotwStream {
 
     async fn on_request(&mut self, req: DiscoveryRequest) -> Result<(), StreamEnd> {
         self.ctx.learn_node(req.node.as_ref());
-        let Some(type_url) = SUPPORTED_TYPES.iter().copied().find(|t| *t == req.type_url) else {
-            debug!(type_url = %req.type_url, "ignoring a request for a type this server does not serve");
+        let Some(spec) = self.ctx.spec(&req.type_url) else {
             return Ok(());
         };
         if !req.response_nonce.is_empty() {
             self.ctx
-                .acked(type_url, &req.response_nonce, req.error_detail.as_ref());
+                .acked(spec, &req.response_nonce, req.error_detail.as_ref());
         }
         let names: HashSet<String> = req.resource_names.into_iter().collect();
-        let (idx, first) = match self.subs.iter().position(|s| s.type_url == type_url) {
+        let (idx, first) = match self.subs.iter().position(|s| s.spec == spec) {
             Some(i) => (i, false),
             None => {
                 self.subs.push(Subscription {
-                    type_url,
+                    spec,
                     names: HashSet::new(),
                     sent: BTreeMap::new(),
                 });
@@ -147,14 +148,14 @@ impl SotwStream {
     /// last one sent, or always when `force`.
     async fn push_if_changed(&mut self, idx: usize, force: bool) -> Result<(), StreamEnd> {
         let sub = &self.subs[idx];
-        let Some(set) = resources(&self.snap, sub.type_url) else {
-            return Ok(());
-        };
+        let spec = sub.spec;
+        let type_url = spec.type_url;
+        let served = self.ctx.generate(&self.snap, type_url);
+        let set = &*served.set;
         let wanted = sub.wanted(set);
         if !force && !sub.differs(&wanted) {
             return Ok(());
         }
-        let type_url = sub.type_url;
         let mut bytes = 0usize;
         let body: Vec<_> = wanted
             .keys()
@@ -171,7 +172,7 @@ impl SotwStream {
         self.subs[idx].sent = sent;
         self.nonce += 1;
         let nonce = format!("{}-{}", self.ctx.id, self.nonce);
-        let labels = vec![("type", type_label(type_url))];
+        let labels = vec![("type", spec.label)];
         let m = &self.ctx.shared.metrics;
         m.pushes.get_or_create(&labels).inc();
         m.resources_sent

@@ -57,15 +57,6 @@ impl XdsMetrics {
     }
 }
 
-/// Short name of a supported type URL, used as a metric label.
-pub fn type_label(type_url: &str) -> &'static str {
-    match type_url {
-        ambit_proto::ADDRESS_TYPE_URL => "address",
-        ambit_proto::AUTHORIZATION_TYPE_URL => "authorization",
-        _ => "unknown",
-    }
-}
-
 /// Per resource type state of one connected proxy.
 #[derive(Debug, Default, Clone, Serialize)]
 pub struct TypeStatus {
@@ -84,6 +75,8 @@ pub struct TypeStatus {
 pub struct ProxyInfo {
     pub connection: u64,
     pub node_id: String,
+    /// `ztunnel`, `waypoint` or `sidecar` (empty until the first request).
+    pub kind: &'static str,
     pub peer: String,
     pub protocol: &'static str,
     pub connected_at_unix: u64,

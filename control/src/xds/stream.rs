@@ -7,10 +7,12 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::google::rpc::Status as RpcStatus;
 use tonic::Status;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::Shared;
-use super::status::{NackRecord, ProxyInfo, type_label, unix_now};
+use super::generator::{Generator, Served, TypeSpec};
+use super::proxy::ProxyNode;
+use super::status::{NackRecord, ProxyInfo, unix_now};
 use crate::model::snapshot::Snapshot;
 
 /// Why a stream ended.
@@ -31,6 +33,8 @@ pub(super) struct StreamCtx {
     pub node_id: String,
     pub protocol: &'static str,
     pub shared: Arc<Shared>,
+    /// The proxy and its generator, from the first request.
+    served: Option<(ProxyNode, Option<Arc<dyn Generator>>)>,
 }
 
 impl StreamCtx {
@@ -41,6 +45,7 @@ impl StreamCtx {
             node_id: String::new(),
             protocol,
             shared,
+            served: None,
         }
     }
 
@@ -58,6 +63,7 @@ impl StreamCtx {
         self.shared.registry.connect(ProxyInfo {
             connection: self.id,
             node_id: String::new(),
+            kind: "",
             peer: self.peer.clone(),
             protocol: self.protocol,
             connected_at_unix: unix_now(),
@@ -85,21 +91,64 @@ impl StreamCtx {
             .dec();
     }
 
-    /// Remembers the node id from the first request that carries one.
+    /// Learns who the proxy is from the first request (xDS clients send
+    /// their node on the first request only) and picks its generator.
     pub fn learn_node(&mut self, node: Option<&Node>) {
-        if self.node_id.is_empty()
-            && let Some(node) = node
-        {
-            self.node_id = node.id.clone();
-            let node_id = self.node_id.clone();
-            self.shared
-                .registry
-                .update(self.id, |p| p.node_id = node_id);
+        if self.served.is_some() {
+            return;
+        }
+        let proxy = ProxyNode::from_node(node);
+        let generator = self.shared.generators.for_kind(proxy.kind);
+        if generator.is_none() {
+            warn!(
+                proxy = %proxy.id, kind = %proxy.kind,
+                "this control plane serves no resources to this kind of proxy; its requests are ignored"
+            );
+        }
+        self.node_id = proxy.id.clone();
+        let (node_id, kind) = (proxy.id.clone(), proxy.kind.as_str());
+        self.shared.registry.update(self.id, |p| {
+            p.node_id = node_id;
+            p.kind = kind;
+        });
+        self.served = Some((proxy, generator));
+    }
+
+    /// The spec of `type_url` when this stream's generator serves it.
+    pub fn spec(&self, type_url: &str) -> Option<&'static TypeSpec> {
+        let spec = self
+            .served
+            .as_ref()
+            .and_then(|(_, g)| g.as_ref())
+            .and_then(|g| g.spec(type_url));
+        if spec.is_none() {
+            debug!(
+                type_url,
+                "ignoring a request for a type this proxy is not served"
+            );
+        }
+        spec
+    }
+
+    /// Every type this stream's generator serves, in push order.
+    pub fn served_types(&self) -> &'static [TypeSpec] {
+        match self.served.as_ref().and_then(|(_, g)| g.as_ref()) {
+            Some(g) => g.types(),
+            None => &[],
+        }
+    }
+
+    /// What this stream's proxy is served of `type_url` in `snap`.
+    pub fn generate(&self, snap: &Snapshot, type_url: &str) -> Served {
+        match &self.served {
+            Some((proxy, Some(g))) => g.generate(proxy, snap, type_url),
+            _ => Served::empty(),
         }
     }
 
     /// Records the ACK or NACK carried by a request with `nonce`.
-    pub fn acked(&self, type_url: &'static str, nonce: &str, error: Option<&RpcStatus>) {
+    pub fn acked(&self, spec: &'static TypeSpec, nonce: &str, error: Option<&RpcStatus>) {
+        let type_url = spec.type_url;
         let Some(err) = error else {
             let nonce = nonce.to_string();
             self.shared.registry.update(self.id, |p| {
@@ -117,7 +166,7 @@ impl StreamCtx {
         self.shared
             .metrics
             .rejects
-            .get_or_create(&vec![("type", type_label(type_url))])
+            .get_or_create(&vec![("type", spec.label)])
             .inc();
         self.shared.registry.record_nack(NackRecord {
             at_unix: unix_now(),

@@ -19,7 +19,7 @@ use tonic::Streaming;
 use tonic::transport::Channel;
 
 use super::*;
-use crate::model::snapshot::XdsResource;
+use crate::model::snapshot::{ResourceFamily, XdsResource};
 
 const T: Duration = Duration::from_secs(5);
 
@@ -50,15 +50,17 @@ struct Publisher {
 
 impl Publisher {
     fn publish(&self, items: Vec<XdsResource>) {
+        self.publish_families(vec![
+            ResourceFamily::mesh(ambit_proto::ADDRESS_TYPE_URL, items),
+            ResourceFamily::mesh(ambit_proto::AUTHORIZATION_TYPE_URL, Vec::new()),
+        ]);
+    }
+
+    fn publish_families(&self, families: Vec<ResourceFamily>) {
         let prev = self.tx.borrow().clone();
-        let (addresses, address_delta) = ResourceSet::build(&prev.addresses, items);
-        self.tx.send_replace(Arc::new(Snapshot {
-            seq: prev.seq + 1,
-            addresses,
-            address_delta,
-            synced: true,
-            ..Default::default()
-        }));
+        let mut next = Snapshot::following(&prev, families);
+        next.synced = true;
+        self.tx.send_replace(Arc::new(next));
     }
 }
 
@@ -70,12 +72,16 @@ struct Harness {
 }
 
 async fn harness(initial: Vec<XdsResource>) -> Harness {
+    harness_with(initial, Generators::standard()).await
+}
+
+async fn harness_with(initial: Vec<XdsResource>, generators: Generators) -> Harness {
     let (tx, rx) = watch::channel(Arc::new(Snapshot::default()));
     let publisher = Publisher { tx };
     publisher.publish(initial);
     let registry = Arc::new(ProxyRegistry::default());
     let metrics = XdsMetrics::register(&mut Registry::default());
-    let server = XdsServer::new(rx, registry.clone(), metrics.clone());
+    let server = XdsServer::with_generators(rx, generators, registry.clone(), metrics.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(
@@ -184,7 +190,7 @@ async fn delta_wildcard_sends_full_state_then_only_changes() {
     // Republishing identical content sends nothing.
     let prev = h.publisher.tx.borrow().clone();
     let same: Vec<XdsResource> = prev
-        .addresses
+        .mesh(ambit_proto::ADDRESS_TYPE_URL)
         .by_name
         .values()
         .map(|r| (**r).clone())
@@ -389,3 +395,5 @@ async fn large_sync_is_chunked_and_marked_partial_until_the_last_chunk() {
     assert_eq!(removed, ["c//Pod/ns/gone"]);
     c.quiet(Duration::from_millis(200)).await;
 }
+
+mod generators;

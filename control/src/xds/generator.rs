@@ -1,0 +1,107 @@
+//! Generators: what each kind of proxy is served.
+//!
+//! The model publishes one [`Snapshot`] holding every resource family it
+//! knows (by scope and type URL). A stream picks one [`Generator`] from the
+//! kind of its proxy (see [`super::proxy`]) when the first request arrives;
+//! from then on it asks the generator, per subscribed type, which set its
+//! proxy is served. The Delta and SotW machinery knows nothing about types:
+//! adding a type is one generator (or one more [`TypeSpec`] in an existing
+//! one) and its registration in [`Generators::standard`].
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use super::proxy::{ProxyKind, ProxyNode};
+use crate::model::snapshot::{ResourceDelta, ResourceSet, Snapshot, empty_set};
+
+/// One xDS type a generator serves.
+#[derive(Debug, PartialEq, Eq)]
+pub struct TypeSpec {
+    pub type_url: &'static str,
+    /// Short name for metrics labels and logs (`address`, `cluster`, ...).
+    pub label: &'static str,
+}
+
+/// The resources one proxy is served of one type, in one snapshot.
+#[derive(Debug, Clone)]
+pub struct Served {
+    pub set: Arc<ResourceSet>,
+    /// The exact changes against the previous snapshot (`seq - 1`), when the
+    /// model computed them (shared and scoped sets); `None` makes a stream
+    /// that skipped no snapshot diff the two sets instead.
+    pub delta: Option<Arc<ResourceDelta>>,
+}
+
+impl Served {
+    /// Nothing of this type for this proxy (yet).
+    pub fn empty() -> Served {
+        Served {
+            set: empty_set(),
+            delta: None,
+        }
+    }
+
+    /// The model's set `(scope, type_url)` of `snap`, or an empty one.
+    pub fn from_snapshot(snap: &Snapshot, scope: &str, type_url: &str) -> Served {
+        match snap.set(scope, type_url) {
+            Some(t) => Served {
+                set: t.resources.clone(),
+                delta: Some(t.delta.clone()),
+            },
+            None => Served::empty(),
+        }
+    }
+}
+
+/// What one kind of proxy is served.
+pub trait Generator: Send + Sync + fmt::Debug {
+    /// The kind of proxy this generator serves.
+    fn kind(&self) -> ProxyKind;
+
+    /// The types served, in the order pushes go out after a change (ADS
+    /// ordering for Envoy: clusters, endpoints, listeners, routes).
+    fn types(&self) -> &'static [TypeSpec];
+
+    /// The resources of `type_url` (one of [`Generator::types`]) that `proxy`
+    /// is served in `snap`. Unchanged sets must come back pointer-equal so
+    /// streams skip them without comparing.
+    fn generate(&self, proxy: &ProxyNode, snap: &Snapshot, type_url: &str) -> Served;
+
+    /// The spec of `type_url` when this generator serves it.
+    fn spec(&self, type_url: &str) -> Option<&'static TypeSpec> {
+        self.types().iter().find(|t| t.type_url == type_url)
+    }
+}
+
+/// The generators of one server, by proxy kind.
+#[derive(Debug, Clone)]
+pub struct Generators {
+    by_kind: HashMap<ProxyKind, Arc<dyn Generator>>,
+}
+
+impl Generators {
+    /// No generators: every request is ignored (for tests of one kind).
+    pub fn empty() -> Generators {
+        Generators {
+            by_kind: HashMap::new(),
+        }
+    }
+
+    /// Every generator this control plane has.
+    pub fn standard() -> Generators {
+        let mut g = Generators::empty();
+        g.register(Arc::new(super::ztunnel::ZtunnelGenerator));
+        g
+    }
+
+    /// Adds (or replaces) the generator of its kind.
+    pub fn register(&mut self, generator: Arc<dyn Generator>) {
+        self.by_kind.insert(generator.kind(), generator);
+    }
+
+    /// The generator for a proxy of `kind`, if this server serves that kind.
+    pub fn for_kind(&self, kind: ProxyKind) -> Option<Arc<dyn Generator>> {
+        self.by_kind.get(&kind).cloned()
+    }
+}
