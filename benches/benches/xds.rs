@@ -156,10 +156,10 @@ async fn raw_full_sync(xds: std::net::SocketAddr, i: usize) -> Result<usize> {
         ..Default::default()
     })
     .await?;
-    let mut stream = client
-        .delta_aggregated_resources(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await?
-        .into_inner();
+    let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    req.metadata_mut()
+        .insert("authorization", format!("Bearer token-{i}").parse()?);
+    let mut stream = client.delta_aggregated_resources(req).await?.into_inner();
     let mut count = 0;
     loop {
         let resp = stream.next().await.context("stream ended")??;
@@ -202,11 +202,15 @@ fn run_control_child() -> Result<()> {
     rt.block_on(async {
         let dir = std::env::var("CONFIG_DIR").context("CONFIG_DIR")?;
         let data = tempfile::tempdir()?;
-        let cp = ControlPlane::start(ControlConfig::for_tests(
-            dir.into(),
-            data.path().to_path_buf(),
-        ))
-        .await?;
+        // Node bootstrap tokens: `token-<i>` authenticates node-<i>.
+        let tokens: String = (0..env_usize("CLIENTS", 100))
+            .map(|i| format!("token-{i} node-{i}\n"))
+            .collect();
+        let tokens_file = data.path().join("node-tokens");
+        std::fs::write(&tokens_file, tokens)?;
+        let mut cfg = ControlConfig::for_tests(dir.into(), data.path().join("cp"));
+        cfg.node_tokens_file = Some(tokens_file);
+        let cp = ControlPlane::start(cfg).await?;
         println!("READY {} {}", cp.xds_addr(), cp.monitoring_addr());
         tokio::task::spawn_blocking(|| {
             let mut sink = String::new();
@@ -342,12 +346,17 @@ fn main() -> Result<()> {
         let t = Instant::now();
         let cpu0 = cpu_secs(pid);
         let own0 = cpu_secs(std::process::id());
-        let starts = (0..clients).map(|i| {
-            ambit_ztunnel::start(
-                ambit_ztunnel::Config::new(format!("node-{i}"), format!("http://{xds}"))
-                    .with_ephemeral_ports(),
-            )
-        });
+        let token_dir = tempfile::tempdir()?;
+        let mut configs = Vec::new();
+        for i in 0..clients {
+            let token = token_dir.path().join(format!("token-{i}"));
+            std::fs::write(&token, format!("token-{i}"))?;
+            let mut c = ambit_ztunnel::Config::new(format!("node-{i}"), format!("http://{xds}"))
+                .with_ephemeral_ports();
+            c.token_file = Some(token);
+            configs.push(c);
+        }
+        let starts = configs.into_iter().map(ambit_ztunnel::start);
         let zts: Vec<_> = futures::future::try_join_all(starts).await?;
         futures::future::join_all(zts.iter().map(|z| z.wait_ready())).await;
         let sync = t.elapsed();

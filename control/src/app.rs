@@ -26,7 +26,7 @@ use crate::debug::DebugState;
 use crate::model::snapshot::Snapshot;
 use crate::model::spawn_model;
 use crate::source::file::{FileSource, FileSourceError, spawn_file_source};
-use crate::xds::{ProxyRegistry, XdsMetrics, XdsServer};
+use crate::xds::{ProxyRegistry, XdsAccess, XdsMetrics, XdsServer};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -98,8 +98,22 @@ impl ControlPlane {
 
         tasks.push(tokio::spawn(model_metrics.run(snapshots.clone())));
 
-        let ca = build_ca(&cfg, snapshots.clone(), CaMetrics::register(&mut registry))?;
-        let xds = XdsServer::new(snapshots.clone(), proxies.clone(), xds_metrics);
+        let authenticator = authenticator(&cfg);
+        let ca = build_ca(
+            &cfg,
+            authenticator.clone(),
+            snapshots.clone(),
+            CaMetrics::register(&mut registry),
+        )?;
+        let xds = XdsServer::new(
+            snapshots.clone(),
+            XdsAccess::new(
+                authenticator.clone(),
+                CaServiceOptions::default().node_proxy_identities,
+            ),
+            proxies.clone(),
+            xds_metrics,
+        );
         let tls_config = Arc::new(ca.server_tls_config(&cfg.tls_names)?);
         let tls_incoming =
             crate::tls_listener::incoming(tls_listener, tls_config, shutdown_rx.clone());
@@ -112,7 +126,14 @@ impl ControlPlane {
         ] {
             let router = tonic::transport::Server::builder()
                 .tcp_nodelay(true)
+                // What one client connection may make the server hold: a
+                // proxy needs one xDS stream and a few CA calls.
+                .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
+                .http2_max_header_list_size(Some(MAX_HEADER_LIST_BYTES))
+                .http2_max_pending_accept_reset_streams(Some(64))
                 .http2_keepalive_interval(Some(Duration::from_secs(30)))
+                .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+                .tcp_keepalive(Some(Duration::from_secs(60)))
                 .initial_connection_window_size(Some(16 << 20))
                 .initial_stream_window_size(Some(8 << 20))
                 .add_service(xds.clone().into_service())
@@ -194,18 +215,29 @@ impl ControlPlane {
     }
 }
 
+/// Bearer-token authentication shared by xDS and the CA: node tokens in
+/// local mode, TokenReview in Kubernetes.
+fn authenticator(cfg: &ControlConfig) -> Arc<dyn TokenAuthenticator> {
+    match &cfg.node_tokens_file {
+        Some(path) => Arc::new(NodeTokenFile::new(path)),
+        None => Arc::new(TokenReview),
+    }
+}
+
+/// Concurrent HTTP/2 streams per gRPC connection (15010, 15012).
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 100;
+/// Largest request header block accepted on the gRPC ports.
+pub const MAX_HEADER_LIST_BYTES: u32 = 64 << 10;
+
 /// The CA served next to xDS: the persisted (or plugged-in) root, node
 /// tokens in local mode, pod placement from the model's snapshots.
 fn build_ca(
     cfg: &ControlConfig,
+    authenticator: Arc<dyn TokenAuthenticator>,
     snapshots: watch::Receiver<Arc<Snapshot>>,
     metrics: CaMetrics,
 ) -> Result<CaService, AppError> {
     let store = CaStore::load_or_create(&cfg.data_dir.join("ca"), cfg.ca_dir.as_deref())?;
-    let authenticator: Arc<dyn TokenAuthenticator> = match &cfg.node_tokens_file {
-        Some(path) => Arc::new(NodeTokenFile::new(path)),
-        None => Arc::new(TokenReview),
-    };
     let opts = CaServiceOptions {
         signer: SignerOptions {
             trust_domain: cfg.trust_domain.clone(),

@@ -25,6 +25,9 @@ const LIMIT: Duration = Duration::from_secs(10);
 /// Each change must reach the ztunnel within this long of the file write.
 const PROPAGATION: Duration = Duration::from_secs(1);
 
+/// The node bootstrap token of node-1 (ztunnel and the observer).
+const NODE_TOKEN: &str = "node-1-bootstrap-token";
+
 /// A raw Delta ADS client that records exactly what the server sends.
 struct Observer {
     tx: mpsc::Sender<DeltaDiscoveryRequest>,
@@ -40,7 +43,7 @@ impl Observer {
         let (tx, rx) = mpsc::channel(8);
         tx.send(DeltaDiscoveryRequest {
             node: Some(Node {
-                id: "observer~0.0.0.0~observer.test~test.svc.cluster.local".into(),
+                id: "ztunnel~0.0.0.0~observer.test~test.svc.cluster.local".into(),
                 ..Default::default()
             }),
             type_url: ambit_proto::ADDRESS_TYPE_URL.into(),
@@ -48,8 +51,13 @@ impl Observer {
         })
         .await
         .unwrap();
+        let mut req = tonic::Request::new(ReceiverStream::new(rx));
+        req.metadata_mut().insert(
+            "authorization",
+            format!("Bearer {NODE_TOKEN}").parse().unwrap(),
+        );
         let rx = client
-            .delta_aggregated_resources(ReceiverStream::new(rx))
+            .delta_aggregated_resources(req)
             .await
             .unwrap()
             .into_inner();
@@ -102,17 +110,17 @@ fn pod(ns: &str, name: &str) -> String {
 async fn ztunnel_holds_the_mesh_and_follows_edits() {
     let dir = copy_fixture(&workspace_root().join("tests/fixtures/mesh")).unwrap();
     let data = tempfile::tempdir().unwrap();
-    let cp = ControlPlane::start(ControlConfig::for_tests(
-        dir.path().to_path_buf(),
-        data.path().to_path_buf(),
-    ))
-    .await
-    .unwrap();
-    let zt = ambit_ztunnel::start(
-        ZtunnelConfig::new("node-1", format!("http://{}", cp.xds_addr())).with_ephemeral_ports(),
-    )
-    .await
-    .unwrap();
+    let tokens = data.path().join("node-tokens");
+    std::fs::write(&tokens, format!("{NODE_TOKEN} node-1\n")).unwrap();
+    let token_file = data.path().join("token");
+    std::fs::write(&token_file, NODE_TOKEN).unwrap();
+    let mut cfg = ControlConfig::for_tests(dir.path().to_path_buf(), data.path().join("cp"));
+    cfg.node_tokens_file = Some(tokens);
+    let cp = ControlPlane::start(cfg).await.unwrap();
+    let mut zcfg =
+        ZtunnelConfig::new("node-1", format!("http://{}", cp.xds_addr())).with_ephemeral_ports();
+    zcfg.token_file = Some(token_file);
+    let zt = ambit_ztunnel::start(zcfg).await.unwrap();
     tokio::time::timeout(LIMIT, zt.wait_ready())
         .await
         .expect("ztunnel not ready in time");

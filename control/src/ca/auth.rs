@@ -4,6 +4,11 @@
 //! `<token> <node-name>` lines (`#` starts a comment), written by the local
 //! mesh tooling and re-read whenever its size, mtime or inode changes.
 //! [`TokenReview`] is the Kubernetes seam, filled by the Kubernetes issue.
+//! [`StaticTokens`] is a fixed map, for tests and embedders.
+//!
+//! [`authenticate_grpc`] is the one entry point every gRPC service (CA and
+//! xDS) uses: a bearer token when one is sent, else the SPIFFE identity of a
+//! client certificate the TLS listener verified against the mesh's roots.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -54,7 +59,7 @@ impl fmt::Display for Caller {
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum AuthError {
     #[error(
-        "no `authorization: Bearer <token>` header; send the node's bootstrap token (local mode) or a ServiceAccount token (Kubernetes)"
+        "no credentials: send `authorization: Bearer <token>` (the node's bootstrap token in local mode, a ServiceAccount token in Kubernetes) or, on the TLS port, a client certificate issued by the mesh CA"
     )]
     MissingToken,
     #[error("the authorization header is not `Bearer <token>`")]
@@ -70,6 +75,54 @@ pub enum AuthError {
 /// Authenticates bearer tokens.
 pub trait TokenAuthenticator: Send + Sync {
     fn authenticate<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<Caller, AuthError>>;
+}
+
+/// Authenticates a gRPC request: the bearer token in its `authorization`
+/// metadata when present (a token that fails never falls back to the
+/// certificate), else the verified client-certificate identity of its TLS
+/// connection (15012), else [`AuthError::MissingToken`].
+pub async fn authenticate_grpc<T>(
+    auth: &dyn TokenAuthenticator,
+    req: &tonic::Request<T>,
+) -> Result<Caller, AuthError> {
+    let header = req.metadata().get("authorization");
+    if let Some(value) = header {
+        let token = bearer_token(Some(value.to_str().map_err(|_| AuthError::Malformed)?))?;
+        return auth.authenticate(token).await;
+    }
+    match crate::tls_listener::peer_identity(req) {
+        Some(id) => Ok(Caller::Workload {
+            namespace: id.namespace.clone(),
+            service_account: id.service_account.clone(),
+            node: None,
+        }),
+        None => Err(AuthError::MissingToken),
+    }
+}
+
+/// A fixed token → caller map (tests, embedders).
+#[derive(Debug, Default, Clone)]
+pub struct StaticTokens {
+    tokens: HashMap<String, Caller>,
+}
+
+impl StaticTokens {
+    pub fn new(tokens: impl IntoIterator<Item = (String, Caller)>) -> Self {
+        Self {
+            tokens: tokens.into_iter().collect(),
+        }
+    }
+}
+
+impl TokenAuthenticator for StaticTokens {
+    fn authenticate<'a>(&'a self, token: &'a str) -> BoxFuture<'a, Result<Caller, AuthError>> {
+        Box::pin(async move {
+            self.tokens
+                .get(token)
+                .cloned()
+                .ok_or_else(|| AuthError::Rejected("not in the static token map".into()))
+        })
+    }
 }
 
 /// Extracts the token from an `authorization` header value.

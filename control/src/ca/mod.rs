@@ -32,13 +32,16 @@ mod tests;
 #[cfg(test)]
 mod tls_tests;
 
-pub use auth::{AuthError, BoxFuture, Caller, NodeTokenFile, TokenAuthenticator, TokenReview};
+pub use auth::{
+    AuthError, BoxFuture, Caller, NodeTokenFile, StaticTokens, TokenAuthenticator, TokenReview,
+    authenticate_grpc,
+};
 pub use client::{ClientError, GeneratedCsr, generate_csr, impersonation_metadata};
 pub use locator::{PodLocator, SnapshotPodLocator, StaticPodLocator};
 pub use service::{CaMetrics, CaService, CaServiceOptions, IMPERSONATED_IDENTITY_KEY};
 pub use signer::{CsrRequest, SignError, Signer, SignerOptions};
 pub use store::{CaError, CaStore};
-pub use verify::{LeafInfo, VerifyError, leaf_info, verify_identity_chain};
+pub use verify::{LeafInfo, VerifyError, leaf_info, spiffe_id_of, verify_identity_chain};
 
 /// A workload identity: `spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]

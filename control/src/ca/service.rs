@@ -24,13 +24,16 @@ use tonic::{Request, Response, Status};
 use tracing::{Instrument, info, info_span, warn};
 
 use super::SpiffeId;
-use super::auth::{AuthError, Caller, TokenAuthenticator, bearer_token};
+use super::auth::{AuthError, Caller, TokenAuthenticator, authenticate_grpc};
 use super::locator::PodLocator;
 use super::signer::{SignError, Signer, SignerOptions};
 use super::store::{CaError, CaStore};
 
 /// Metadata field naming the identity a node proxy asks for (Istio's name).
 pub const IMPERSONATED_IDENTITY_KEY: &str = "ImpersonatedIdentity";
+
+/// Largest `CreateCertificate` request accepted.
+const MAX_CSR_REQUEST_BYTES: usize = 64 << 10;
 
 /// Lifetime of the control plane's serving certificate; renewed at half.
 const SERVING_CERT_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
@@ -171,25 +174,41 @@ impl CaService {
     }
 
     pub fn into_server(self) -> IstioCertificateServiceServer<Self> {
-        IstioCertificateServiceServer::new(self)
+        // A CSR is well under 4 KiB; nothing legitimate comes near this.
+        IstioCertificateServiceServer::new(self).max_decoding_message_size(MAX_CSR_REQUEST_BYTES)
     }
 
     pub fn signer(&self) -> &Signer {
         &self.inner.signer
     }
 
-    /// A TLS server configuration (ring provider, ALPN `h2`, no client
-    /// certificate) whose certificate for `names` (DNS names or IPs) is
-    /// issued by this CA and renewed in place at half its 30-day lifetime.
+    /// A TLS server configuration (ring provider, ALPN `h2`) whose
+    /// certificate for `names` (DNS names or IPs) is issued by this CA and
+    /// renewed in place at half its 30-day lifetime. A client certificate is
+    /// optional; one that is presented must chain to the mesh's roots, and
+    /// its SPIFFE identity then authenticates the caller (see
+    /// [`super::authenticate_grpc`]).
     pub fn server_tls_config(&self, names: &[String]) -> Result<rustls::ServerConfig, CaError> {
+        let tls_err = |e: &dyn std::fmt::Display| CaError::Tls {
+            reason: e.to_string(),
+        };
         let resolver = ServingCertResolver::new(self.inner.signer.clone(), names.to_vec())?;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut roots = rustls::RootCertStore::empty();
+        for der in self.inner.signer.store().trust_anchors_der() {
+            roots.add(der).map_err(|e| tls_err(&e))?;
+        }
+        let client_verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            Arc::new(roots),
+            provider.clone(),
+        )
+        .allow_unauthenticated()
+        .build()
+        .map_err(|e| tls_err(&e))?;
         let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
-            .map_err(|e| CaError::Tls {
-                reason: e.to_string(),
-            })?
-            .with_no_client_auth()
+            .map_err(|e| tls_err(&e))?
+            .with_client_cert_verifier(client_verifier)
             .with_cert_resolver(Arc::new(resolver));
         cfg.alpn_protocols = vec![b"h2".to_vec()];
         Ok(cfg)
@@ -201,14 +220,7 @@ impl CaService {
     ) -> Result<IstioCertificateResponse, Status> {
         let m = &self.inner.metrics;
         m.csr_count.inc();
-        let header = req
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok());
-        let caller = match bearer_token(header) {
-            Ok(token) => self.inner.auth.authenticate(token).await,
-            Err(e) => Err(e),
-        };
+        let caller = authenticate_grpc(&*self.inner.auth, &req).await;
         let caller = caller.map_err(|e| {
             m.auth_failures.inc();
             m.error("authentication");
@@ -323,8 +335,7 @@ impl IstioCertificateService for CaService {
         &self,
         request: Request<IstioCertificateRequest>,
     ) -> Result<Response<IstioCertificateResponse>, Status> {
-        let peer = request
-            .remote_addr()
+        let peer = crate::tls_listener::remote_addr(&request)
             .map(|a| a.to_string())
             .unwrap_or_default();
         let span = info_span!("ca.create_certificate", %peer, caller = tracing::field::Empty, identity = tracing::field::Empty);

@@ -18,6 +18,7 @@ use tracing::debug;
 use super::generator::{Served, TypeSpec};
 use super::stream::{StreamCtx, StreamEnd};
 use super::{CHUNK, FULL_SYNC_SLOT_TIMEOUT, LARGE_RESPONSE, Shared};
+use crate::ca::Caller;
 use crate::model::snapshot::{ResourceDelta, ResourceSet, Snapshot, XdsResource};
 
 /// What one client holds and wants of one type.
@@ -203,11 +204,12 @@ impl DeltaStream {
     pub(super) fn new(
         id: u64,
         peer: String,
+        caller: Caller,
         shared: Arc<Shared>,
         tx: mpsc::Sender<Result<DeltaDiscoveryResponse, Status>>,
     ) -> Self {
         Self {
-            ctx: StreamCtx::new(id, peer, "delta", shared),
+            ctx: StreamCtx::new(id, peer, caller, "delta", shared),
             tx,
             subs: Vec::new(),
             nonce: 0,
@@ -224,6 +226,10 @@ impl DeltaStream {
         self.snap = snapshots.borrow_and_update().clone();
         debug!("delta xDS stream opened");
         let result = self.serve(&mut requests, &mut snapshots).await;
+        if let Err(StreamEnd::Refused(status)) = &result {
+            // Best effort: the client may already be gone.
+            let _ = self.tx.send(Err(status.clone())).await;
+        }
         self.ctx.close(result);
     }
 
@@ -256,7 +262,7 @@ impl DeltaStream {
     }
 
     async fn on_request(&mut self, req: DeltaDiscoveryRequest) -> Result<(), StreamEnd> {
-        self.ctx.learn_node(req.node.as_ref());
+        self.ctx.learn_node(req.node.as_ref())?;
         let Some(spec) = self.ctx.spec(&req.type_url) else {
             return Ok(());
         };
@@ -273,6 +279,13 @@ impl DeltaStream {
                 .acked(spec, &req.response_nonce, req.error_detail.as_ref());
         }
 
+        let held = self
+            .subs
+            .iter()
+            .find(|s| s.spec == spec)
+            .map_or(0, |s| s.names.len());
+        self.ctx
+            .check_names(held, req.resource_names_subscribe.iter())?;
         let served = self.ctx.generate(&self.snap, type_url);
         let idx = match self.subs.iter().position(|s| s.spec.type_url == type_url) {
             Some(i) => i,
@@ -284,10 +297,15 @@ impl DeltaStream {
         // A request for everything of a large type is a full sync: take a
         // slot before building it, so a crowd of reconnecting proxies is
         // served a few at a time instead of all holding large responses.
-        let wants_all = req.resource_names_subscribe.is_empty()
-            || req.resource_names_subscribe.iter().any(|n| n == "*");
+        // An empty subscribe list means "everything" only on the first
+        // request of a type; later it is an ACK or an unsubscribe and asks
+        // for nothing new.
+        let first_request = !self.subs[idx].answered;
+        let names_all = req.resource_names_subscribe.iter().any(|n| n == "*");
+        let wants_all = names_all || (first_request && req.resource_names_subscribe.is_empty());
+        let becomes_full = first_request || !self.subs[idx].wildcard;
         let large = served.set.by_name.len() >= LARGE_RESPONSE;
-        if wants_all && large && (!self.subs[idx].answered || !self.subs[idx].wildcard) {
+        if wants_all && large && becomes_full {
             self.reserve_full_sync().await?;
         }
         let set = &*served.set;

@@ -7,6 +7,7 @@
 //! reconciles against the newest) and writes responses into a small bounded
 //! queue, so a client that does not read stalls only itself.
 
+pub mod access;
 mod delta;
 pub mod generator;
 pub mod proxy;
@@ -30,7 +31,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
+use crate::ca::Caller;
 use crate::model::snapshot::Snapshot;
+pub use access::{AccessError, XdsAccess};
 pub use generator::{Generator, Generators, Served, TypeSpec};
 pub use proxy::{ProxyKind, ProxyNode};
 pub use status::{ProxyRegistry, XdsMetrics};
@@ -49,6 +52,17 @@ const CHUNK: usize = 1000;
 /// ready sooner; small pushes never wait.
 const CONCURRENT_FULL_SYNCS: usize = 8;
 
+/// Most names one stream may subscribe to explicitly, per type (on-demand
+/// lookups of a busy ztunnel stay far below this).
+const MAX_SUBSCRIBED_NAMES: usize = 16_384;
+
+/// Longest resource name a client may subscribe to.
+const MAX_NAME_LEN: usize = 1024;
+
+/// Largest request a client may send (a reconnecting ztunnel's
+/// `initial_resource_versions` for 10,000 workloads is ~1 MB).
+const MAX_REQUEST_BYTES: usize = 4 << 20;
+
 /// A full sync holds its slot until ACKed, or at most this long.
 const FULL_SYNC_SLOT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -57,6 +71,7 @@ const FULL_SYNC_SLOT_TIMEOUT: std::time::Duration = std::time::Duration::from_se
 struct Shared {
     snapshots: watch::Receiver<Arc<Snapshot>>,
     generators: Generators,
+    access: XdsAccess,
     registry: Arc<ProxyRegistry>,
     metrics: XdsMetrics,
     next_connection: AtomicU64,
@@ -73,16 +88,18 @@ impl XdsServer {
     /// A server with every generator this control plane has.
     pub fn new(
         snapshots: watch::Receiver<Arc<Snapshot>>,
+        access: XdsAccess,
         registry: Arc<ProxyRegistry>,
         metrics: XdsMetrics,
     ) -> Self {
-        Self::with_generators(snapshots, Generators::standard(), registry, metrics)
+        Self::with_generators(snapshots, Generators::standard(), access, registry, metrics)
     }
 
     /// A server with the given generators.
     pub fn with_generators(
         snapshots: watch::Receiver<Arc<Snapshot>>,
         generators: Generators,
+        access: XdsAccess,
         registry: Arc<ProxyRegistry>,
         metrics: XdsMetrics,
     ) -> Self {
@@ -90,6 +107,7 @@ impl XdsServer {
             shared: Arc::new(Shared {
                 snapshots,
                 generators,
+                access,
                 registry,
                 metrics,
                 next_connection: AtomicU64::new(1),
@@ -101,17 +119,31 @@ impl XdsServer {
     /// The tonic service to mount on a gRPC server.
     pub fn into_service(self) -> AggregatedDiscoveryServiceServer<Self> {
         AggregatedDiscoveryServiceServer::new(self)
-            .max_decoding_message_size(16 << 20)
+            .max_decoding_message_size(MAX_REQUEST_BYTES)
             .max_encoding_message_size(usize::MAX)
     }
 
     fn next_connection(&self) -> u64 {
         self.shared.next_connection.fetch_add(1, Ordering::Relaxed)
     }
+
+    /// Authenticates a new stream before anything is read from it or
+    /// spawned for it.
+    async fn authenticate<T>(&self, req: &Request<T>, peer: &str) -> Result<Caller, Status> {
+        let result = self.shared.access.authenticate(req, peer).await;
+        if result.is_err() {
+            self.shared
+                .metrics
+                .refused
+                .get_or_create(&vec![("reason", "unauthenticated")])
+                .inc();
+        }
+        result
+    }
 }
 
 fn peer_of<T>(req: &Request<T>) -> String {
-    req.remote_addr()
+    crate::tls_listener::remote_addr(req)
         .map(|a: SocketAddr| a.to_string())
         .unwrap_or_else(|| "unknown".to_string())
 }
@@ -125,11 +157,12 @@ impl AggregatedDiscoveryService for XdsServer {
         &self,
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
-        let id = self.next_connection();
         let peer = peer_of(&request);
+        let caller = self.authenticate(&request, &peer).await?;
+        let id = self.next_connection();
         let (tx, rx) = mpsc::channel(RESPONSE_QUEUE);
-        let span = tracing::info_span!("xds", conn = id, protocol = "sotw", peer = %peer);
-        let conn = sotw::SotwStream::new(id, peer, self.shared.clone(), tx);
+        let span = tracing::info_span!("xds", conn = id, protocol = "sotw", peer = %peer, caller = %caller);
+        let conn = sotw::SotwStream::new(id, peer, caller, self.shared.clone(), tx);
         tokio::spawn(conn.run(request.into_inner()).instrument(span));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
@@ -138,11 +171,12 @@ impl AggregatedDiscoveryService for XdsServer {
         &self,
         request: Request<Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
-        let id = self.next_connection();
         let peer = peer_of(&request);
+        let caller = self.authenticate(&request, &peer).await?;
+        let id = self.next_connection();
         let (tx, rx) = mpsc::channel(RESPONSE_QUEUE);
-        let span = tracing::info_span!("xds", conn = id, protocol = "delta", peer = %peer);
-        let conn = delta::DeltaStream::new(id, peer, self.shared.clone(), tx);
+        let span = tracing::info_span!("xds", conn = id, protocol = "delta", peer = %peer, caller = %caller);
+        let conn = delta::DeltaStream::new(id, peer, caller, self.shared.clone(), tx);
         tokio::spawn(conn.run(request.into_inner()).instrument(span));
         Ok(Response::new(ReceiverStream::new(rx)))
     }

@@ -61,6 +61,9 @@ pub struct ProxyNode {
     pub namespace: String,
     /// Kubernetes node the proxy runs on (metadata `NODE_NAME`).
     pub node_name: String,
+    /// Service account the proxy claims (metadata `SERVICE_ACCOUNT`; may be
+    /// empty).
+    pub service_account: String,
 }
 
 impl ProxyNode {
@@ -104,6 +107,7 @@ impl ProxyNode {
             pod_name,
             namespace,
             node_name: meta("NODE_NAME"),
+            service_account: meta("SERVICE_ACCOUNT"),
         }
     }
 
@@ -114,6 +118,7 @@ impl ProxyNode {
             pod_name: String::new(),
             namespace: String::new(),
             node_name: String::new(),
+            service_account: String::new(),
         }
     }
 }

@@ -13,6 +13,7 @@ use tonic::{Status, Streaming};
 use super::Shared;
 use super::generator::TypeSpec;
 use super::stream::{StreamCtx, StreamEnd};
+use crate::ca::Caller;
 use crate::model::snapshot::{ResourceSet, Snapshot};
 
 #[derive(Debug)]
@@ -66,11 +67,12 @@ impl SotwStream {
     pub(super) fn new(
         id: u64,
         peer: String,
+        caller: Caller,
         shared: Arc<Shared>,
         tx: mpsc::Sender<Result<DiscoveryResponse, Status>>,
     ) -> Self {
         Self {
-            ctx: StreamCtx::new(id, peer, "sotw", shared),
+            ctx: StreamCtx::new(id, peer, caller, "sotw", shared),
             tx,
             subs: Vec::new(),
             nonce: 0,
@@ -85,6 +87,10 @@ impl SotwStream {
         let mut snapshots = self.ctx.shared.snapshots.clone();
         self.snap = snapshots.borrow_and_update().clone();
         let result = self.serve(&mut requests, &mut snapshots).await;
+        if let Err(StreamEnd::Refused(status)) = &result {
+            // Best effort: the client may already be gone.
+            let _ = self.tx.send(Err(status.clone())).await;
+        }
         self.ctx.close(result);
     }
 
@@ -117,7 +123,7 @@ impl SotwStream {
     }
 
     async fn on_request(&mut self, req: DiscoveryRequest) -> Result<(), StreamEnd> {
-        self.ctx.learn_node(req.node.as_ref());
+        self.ctx.learn_node(req.node.as_ref())?;
         let Some(spec) = self.ctx.spec(&req.type_url) else {
             return Ok(());
         };
@@ -125,6 +131,7 @@ impl SotwStream {
             self.ctx
                 .acked(spec, &req.response_nonce, req.error_detail.as_ref());
         }
+        self.ctx.check_names(0, req.resource_names.iter())?;
         let names: HashSet<String> = req.resource_names.into_iter().collect();
         let (idx, first) = match self.subs.iter().position(|s| s.spec == spec) {
             Some(i) => (i, false),

@@ -31,6 +31,9 @@ pub struct XdsMetrics {
     pub push_bytes: Family<Labels, Counter>,
     /// NACKs received, by resource type.
     pub rejects: Family<Labels, Counter>,
+    /// Streams refused, by reason (`unauthenticated`, `permission_denied`,
+    /// `resource_exhausted`).
+    pub refused: Family<Labels, Counter>,
 }
 
 impl XdsMetrics {
@@ -52,6 +55,11 @@ impl XdsMetrics {
             "pilot_total_xds_rejects",
             "xDS responses rejected (NACKed) by proxies",
             m.rejects.clone(),
+        );
+        registry.register(
+            "ambit_xds_auth_failures",
+            "xDS streams refused: no or bad credentials, or not allowed what the node asked for",
+            m.refused.clone(),
         );
         m
     }

@@ -7,12 +7,13 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::google::rpc::Status as RpcStatus;
 use tonic::Status;
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 use super::Shared;
 use super::generator::{Generator, Served, TypeSpec};
 use super::proxy::ProxyNode;
 use super::status::{NackRecord, ProxyInfo, unix_now};
+use crate::ca::Caller;
 use crate::model::snapshot::Snapshot;
 
 /// Why a stream ended.
@@ -24,6 +25,9 @@ pub(super) enum StreamEnd {
     Client(Status),
     #[error("the mesh model stopped; the control plane is shutting down")]
     ModelStopped,
+    /// The stream is refused; the status is sent to the client.
+    #[error("refused: {}", .0.message())]
+    Refused(Status),
 }
 
 /// Identity and bookkeeping of one stream.
@@ -33,15 +37,24 @@ pub(super) struct StreamCtx {
     pub node_id: String,
     pub protocol: &'static str,
     pub shared: Arc<Shared>,
+    /// Who authenticated the stream.
+    caller: Caller,
     /// The proxy and its generator, from the first request.
     served: Option<(ProxyNode, Option<Arc<dyn Generator>>)>,
 }
 
 impl StreamCtx {
-    pub fn new(id: u64, peer: String, protocol: &'static str, shared: Arc<Shared>) -> Self {
+    pub fn new(
+        id: u64,
+        peer: String,
+        caller: Caller,
+        protocol: &'static str,
+        shared: Arc<Shared>,
+    ) -> Self {
         Self {
             id,
             peer,
+            caller,
             node_id: String::new(),
             protocol,
             shared,
@@ -76,11 +89,13 @@ impl StreamCtx {
     /// Logs how the stream ended and unregisters it.
     pub fn close(&self, result: Result<(), StreamEnd>) {
         match result {
+            // Per-stream lines are DEBUG: a crowd of proxies (or a flood)
+            // must not flood the log; /debug/connections lists streams.
             Ok(()) => {
-                info!(proxy = %self.node_id, protocol = self.protocol, "xDS stream closed by the client")
+                debug!(proxy = %self.node_id, protocol = self.protocol, "xDS stream closed by the client")
             }
             Err(e) => {
-                info!(proxy = %self.node_id, protocol = self.protocol, "xDS stream ended: {e}")
+                debug!(proxy = %self.node_id, protocol = self.protocol, "xDS stream ended: {e}")
             }
         }
         self.shared.registry.disconnect(self.id);
@@ -92,12 +107,22 @@ impl StreamCtx {
     }
 
     /// Learns who the proxy is from the first request (xDS clients send
-    /// their node on the first request only) and picks its generator.
-    pub fn learn_node(&mut self, node: Option<&Node>) {
+    /// their node on the first request only), checks the caller may be
+    /// served as that proxy and picks its generator.
+    pub fn learn_node(&mut self, node: Option<&Node>) -> Result<(), StreamEnd> {
         if self.served.is_some() {
-            return;
+            return Ok(());
         }
         let proxy = ProxyNode::from_node(node);
+        if let Err(e) = self.shared.access.authorize(&self.caller, &proxy) {
+            self.shared
+                .metrics
+                .refused
+                .get_or_create(&vec![("reason", "permission_denied")])
+                .inc();
+            self.shared.access.log_refusal(&self.peer, &e.to_string());
+            return Err(StreamEnd::Refused(Status::permission_denied(e.to_string())));
+        }
         let generator = self.shared.generators.for_kind(proxy.kind);
         if generator.is_none() {
             warn!(
@@ -112,6 +137,43 @@ impl StreamCtx {
             p.kind = kind;
         });
         self.served = Some((proxy, generator));
+        Ok(())
+    }
+
+    /// Refuses a request that would make the stream hold more than it may.
+    pub fn check_names<'a>(
+        &self,
+        held: usize,
+        new: impl Iterator<Item = &'a String>,
+    ) -> Result<(), StreamEnd> {
+        let mut count = held;
+        for n in new {
+            count += 1;
+            let why = if n.len() > super::MAX_NAME_LEN {
+                format!(
+                    "a resource name of {} bytes (at most {})",
+                    n.len(),
+                    super::MAX_NAME_LEN
+                )
+            } else if count > super::MAX_SUBSCRIBED_NAMES {
+                format!(
+                    "more than {} subscribed names of one type",
+                    super::MAX_SUBSCRIBED_NAMES
+                )
+            } else {
+                continue;
+            };
+            self.shared
+                .metrics
+                .refused
+                .get_or_create(&vec![("reason", "resource_exhausted")])
+                .inc();
+            self.shared.access.log_refusal(&self.peer, &why);
+            return Err(StreamEnd::Refused(Status::resource_exhausted(format!(
+                "the request asks for {why}; subscribe to `*` (wildcard) instead of naming this many resources"
+            ))));
+        }
+        Ok(())
     }
 
     /// The spec of `type_url` when this stream's generator serves it.

@@ -19,6 +19,7 @@ use tonic::Streaming;
 use tonic::transport::Channel;
 
 use super::*;
+use crate::ca::{Caller, StaticTokens};
 use crate::model::snapshot::{ResourceFamily, XdsResource};
 
 const T: Duration = Duration::from_secs(5);
@@ -81,7 +82,27 @@ async fn harness_with(initial: Vec<XdsResource>, generators: Generators) -> Harn
     publisher.publish(initial);
     let registry = Arc::new(ProxyRegistry::default());
     let metrics = XdsMetrics::register(&mut Registry::default());
-    let server = XdsServer::with_generators(rx, generators, registry.clone(), metrics.clone());
+    let access = XdsAccess::new(
+        Arc::new(StaticTokens::new([
+            (
+                NODE_TOKEN.to_string(),
+                Caller::Node {
+                    name: "node-1".into(),
+                },
+            ),
+            (
+                WAYPOINT_TOKEN.to_string(),
+                Caller::Workload {
+                    namespace: "ns".into(),
+                    service_account: "waypoint".into(),
+                    node: None,
+                },
+            ),
+        ])),
+        vec![("ambit-system".into(), "ztunnel".into())],
+    );
+    let server =
+        XdsServer::with_generators(rx, generators, access, registry.clone(), metrics.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(
@@ -100,6 +121,21 @@ async fn harness_with(initial: Vec<XdsResource>, generators: Generators) -> Harn
     }
 }
 
+/// Authenticates as node-1.
+const NODE_TOKEN: &str = "node-1-token";
+/// Authenticates as `ns/waypoint`.
+const WAYPOINT_TOKEN: &str = "ns-waypoint-token";
+
+/// A streaming request carrying `authorization: Bearer <token>`.
+fn authorized<T>(body: T, token: &str) -> tonic::Request<T> {
+    let mut req = tonic::Request::new(body);
+    req.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {token}").parse().expect("ascii header"),
+    );
+    req
+}
+
 fn node() -> Option<Node> {
     Some(Node {
         id: "ztunnel~10.0.0.1~ztunnel-test.ambit-system~ambit-system.svc.cluster.local".into(),
@@ -114,15 +150,38 @@ struct DeltaClient {
 
 impl DeltaClient {
     async fn open(h: &mut Harness, first: DeltaDiscoveryRequest) -> Self {
+        Self::open_as(h, first, NODE_TOKEN).await
+    }
+
+    async fn open_as(h: &mut Harness, first: DeltaDiscoveryRequest, token: &str) -> Self {
+        Self::try_open(h, first, Some(token))
+            .await
+            .expect("stream refused")
+    }
+
+    /// Opens a stream with `token` (none: no `authorization` header).
+    async fn try_open(
+        h: &mut Harness,
+        first: DeltaDiscoveryRequest,
+        token: Option<&str>,
+    ) -> Result<Self, tonic::Status> {
         let (tx, req_rx) = mpsc::channel(16);
         tx.send(first).await.unwrap();
-        let rx = h
-            .client
-            .delta_aggregated_resources(ReceiverStream::new(req_rx))
-            .await
-            .unwrap()
-            .into_inner();
-        Self { tx, rx }
+        let body = ReceiverStream::new(req_rx);
+        let req = match token {
+            Some(t) => authorized(body, t),
+            None => tonic::Request::new(body),
+        };
+        let rx = h.client.delta_aggregated_resources(req).await?.into_inner();
+        Ok(Self { tx, rx })
+    }
+
+    /// The status the server ended the stream with.
+    async fn refused(&mut self) -> tonic::Status {
+        match tokio::time::timeout(T, self.rx.next()).await {
+            Ok(Some(Err(status))) => status,
+            other => panic!("expected the stream to be refused, got {other:?}"),
+        }
     }
 
     async fn recv(&mut self) -> DeltaDiscoveryResponse {
@@ -335,7 +394,7 @@ async fn sotw_sends_full_set_on_change() {
     .unwrap();
     let mut rx = h
         .client
-        .stream_aggregated_resources(ReceiverStream::new(req_rx))
+        .stream_aggregated_resources(authorized(ReceiverStream::new(req_rx), NODE_TOKEN))
         .await
         .unwrap()
         .into_inner();
@@ -396,4 +455,6 @@ async fn large_sync_is_chunked_and_marked_partial_until_the_last_chunk() {
     c.quiet(Duration::from_millis(200)).await;
 }
 
+mod access;
+mod full_sync;
 mod generators;

@@ -108,11 +108,21 @@ async fn each_router_gets_its_own_scope_and_ztunnels_get_no_router_types() {
     h.publisher
         .publish_families(families(vec![cluster("outbound|80||a", 1)], Vec::new()));
 
-    let mut a = DeltaClient::open(&mut h, request(router_node("wp-a"), CLUSTER)).await;
+    let mut a = DeltaClient::open_as(
+        &mut h,
+        request(router_node("wp-a"), CLUSTER),
+        WAYPOINT_TOKEN,
+    )
+    .await;
     let first = a.recv().await;
     assert_eq!(first.type_url, CLUSTER);
     assert_eq!(names(&first), ["outbound|80||a"]);
-    let mut b = DeltaClient::open(&mut h, request(router_node("wp-b"), CLUSTER)).await;
+    let mut b = DeltaClient::open_as(
+        &mut h,
+        request(router_node("wp-b"), CLUSTER),
+        WAYPOINT_TOKEN,
+    )
+    .await;
     assert_eq!(names(&b.recv().await), ["outbound|80||b"]);
 
     // A router is not served the workload API, a ztunnel no clusters:
@@ -140,7 +150,12 @@ async fn pushes_follow_the_generators_type_order_and_only_changed_scopes_push() 
     ));
     // Subscribe listeners first; the order of pushes after a change must
     // still be clusters, then listeners.
-    let mut a = DeltaClient::open(&mut h, request(router_node("wp-a"), LISTENER)).await;
+    let mut a = DeltaClient::open_as(
+        &mut h,
+        request(router_node("wp-a"), LISTENER),
+        WAYPOINT_TOKEN,
+    )
+    .await;
     let l = a.recv().await;
     assert_eq!(l.type_url, LISTENER);
     a.ack(&l).await;
@@ -148,7 +163,12 @@ async fn pushes_follow_the_generators_type_order_and_only_changed_scopes_push() 
     let c = a.recv().await;
     assert_eq!(c.type_url, CLUSTER);
     a.ack(&c).await;
-    let mut b = DeltaClient::open(&mut h, request(router_node("wp-b"), CLUSTER)).await;
+    let mut b = DeltaClient::open_as(
+        &mut h,
+        request(router_node("wp-b"), CLUSTER),
+        WAYPOINT_TOKEN,
+    )
+    .await;
     let bc = b.recv().await;
     b.ack(&bc).await;
 
@@ -175,7 +195,12 @@ async fn a_vanished_scope_is_removed_from_its_router() {
         vec![cluster("outbound|80||a", 1)],
         vec![listener("a", 1)],
     ));
-    let mut a = DeltaClient::open(&mut h, request(router_node("wp-a"), CLUSTER)).await;
+    let mut a = DeltaClient::open_as(
+        &mut h,
+        request(router_node("wp-a"), CLUSTER),
+        WAYPOINT_TOKEN,
+    )
+    .await;
     let c = a.recv().await;
     a.ack(&c).await;
 
