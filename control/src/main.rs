@@ -11,7 +11,10 @@ use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    // Colour only on a terminal: log files stay plain text.
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
+        .with_ansi(std::io::stdout().is_terminal())
         .with_env_filter(
             // RUST_LOG, as for ztunnel and the node agent; LOG_LEVEL still works.
             EnvFilter::try_from_default_env()
