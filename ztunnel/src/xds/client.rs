@@ -4,7 +4,7 @@
 //! loop {
 //!     connect → send one wildcard subscription per type (with the versions
 //!     we hold) → for each response: apply, publish, ACK/NACK
-//!     on error: count the termination, back off (100 ms … 15 s, jittered)
+//!     on error: count the termination, back off (100 ms … 2 s, jittered)
 //! }
 //! ```
 //! The state stays published while disconnected, so the data path keeps
@@ -79,7 +79,10 @@ impl XdsClientConfig {
             token_file: config.token_file.clone(),
             root_cert: config.root_cert.clone(),
             initial_backoff: Duration::from_millis(100),
-            max_backoff: Duration::from_secs(15),
+            // A returning control plane is used within ~2.5 s however long
+            // it was gone; its full-sync gate (8 at a time) and the jitter
+            // keep a crowd of reconnecting ztunnels from stampeding it.
+            max_backoff: Duration::from_secs(2),
             connect_timeout: Duration::from_secs(5),
         }
     }
@@ -420,6 +423,15 @@ async fn read_token(path: &Path) -> Result<MetadataValue<tonic::metadata::Ascii>
 #[cfg(test)]
 mod backoff_tests {
     use super::*;
+
+    #[test]
+    fn a_long_outage_is_retried_within_a_few_seconds() {
+        let cfg = XdsClientConfig::from_config(&Config::new("n", "http://127.0.0.1:1"));
+        let mut b = Backoff::new(cfg.initial_backoff, cfg.max_backoff);
+        // However many attempts failed, the next one comes within 2.5 s.
+        let worst = (0..100).map(|_| b.next_delay()).max().unwrap_or_default();
+        assert!(worst <= Duration::from_millis(2500), "{worst:?}");
+    }
 
     #[test]
     fn backoff_grows_caps_and_resets() {
