@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use ambit_control::local::status::{opened_by_policy, parse_access_line};
-use ambit_control::local::{
+use ambitctl::local::status::{opened_by_policy, parse_access_line};
+use ambitctl::local::{
     self, DownOptions, LocalCluster, LocalError, UpOptions, app_ports, check_name, plan_documents,
 };
 
