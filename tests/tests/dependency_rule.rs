@@ -347,14 +347,35 @@ fn reachable_mains(
 
 // ------------------------------------------------- the check on made-up workspaces
 
-/// Metadata of a workspace at `/ws`: (name, dir, [(dependency, kind)]).
-fn fake(packages: &[(&str, &str, &[(&str, &str)])]) -> Value {
-    let dir_of: BTreeMap<&str, &str> = packages.iter().map(|(n, d, _)| (*n, *d)).collect();
+/// A package of a made-up workspace: its dependencies are (package, kind).
+#[derive(Debug, Clone)]
+struct FakePackage {
+    name: &'static str,
+    dir: &'static str,
+    deps: Vec<(&'static str, &'static str)>,
+}
+
+fn pkg(
+    name: &'static str,
+    dir: &'static str,
+    deps: &[(&'static str, &'static str)],
+) -> FakePackage {
+    FakePackage {
+        name,
+        dir,
+        deps: deps.to_vec(),
+    }
+}
+
+/// `cargo metadata --no-deps` of a workspace at `/ws`.
+fn fake(packages: &[FakePackage]) -> Value {
+    let dir_of: BTreeMap<&str, &str> = packages.iter().map(|p| (p.name, p.dir)).collect();
     let id = |name: &str| format!("path+file:///ws/{}#{name}@0.1.0", dir_of[name]);
     let pkgs: Vec<Value> = packages
         .iter()
-        .map(|(name, dir, deps)| {
-            let deps: Vec<Value> = deps
+        .map(|p| {
+            let deps: Vec<Value> = p
+                .deps
                 .iter()
                 .map(|(to, kind)| {
                     json!({
@@ -365,107 +386,80 @@ fn fake(packages: &[(&str, &str, &[(&str, &str)])]) -> Value {
                 })
                 .collect();
             json!({
-                "name": name,
-                "id": id(name),
-                "manifest_path": format!("/ws/{dir}/Cargo.toml"),
+                "name": p.name,
+                "id": id(p.name),
+                "manifest_path": format!("/ws/{}/Cargo.toml", p.dir),
                 "dependencies": deps,
             })
         })
         .collect();
     json!({
         "workspace_root": "/ws",
-        "workspace_members": packages.iter().map(|(n, _, _)| id(n)).collect::<Vec<_>>(),
+        "workspace_members": packages.iter().map(|p| id(p.name)).collect::<Vec<_>>(),
         "packages": pkgs,
     })
 }
 
 /// The intended workspace: a config crate and an in-pod crate, nobody
 /// breaking the rule.
-fn good() -> Vec<(
-    &'static str,
-    &'static str,
-    Vec<(&'static str, &'static str)>,
-)> {
+fn good() -> Vec<FakePackage> {
+    const MAINS: [(&str, &str); 3] = [
+        ("ambit-control", "normal"),
+        ("ambit-ztunnel", "normal"),
+        ("ambit-cni", "normal"),
+    ];
     vec![
-        ("ambit-proto", "proto", vec![]),
-        (
+        pkg("ambit-proto", "proto", &[]),
+        pkg(
             "ambit-config",
             "control/config",
-            vec![("ambit-proto", "normal")],
+            &[("ambit-proto", "normal")],
         ),
-        (
-            "ambit-inpod",
-            "ztunnel/inpod",
-            vec![("ambit-proto", "build")],
-        ),
-        (
+        pkg("ambit-inpod", "ztunnel/inpod", &[("ambit-proto", "build")]),
+        pkg(
             "ambit-control",
             "control",
-            vec![("ambit-proto", "normal"), ("ambit-config", "normal")],
+            &[("ambit-proto", "normal"), ("ambit-config", "normal")],
         ),
-        (
+        pkg(
             "ambit-ztunnel",
             "ztunnel",
-            vec![("ambit-proto", "normal"), ("ambit-inpod", "normal")],
+            &[("ambit-proto", "normal"), ("ambit-inpod", "normal")],
         ),
-        (
+        pkg(
             "ambit-cni",
             "cni",
-            vec![("ambit-config", "normal"), ("ambit-inpod", "normal")],
+            &[("ambit-config", "normal"), ("ambit-inpod", "normal")],
         ),
-        (
-            "ambitctl",
-            "control/ambitctl",
-            vec![
-                ("ambit-control", "normal"),
-                ("ambit-ztunnel", "normal"),
-                ("ambit-cni", "normal"),
-            ],
-        ),
-        (
+        pkg("ambitctl", "control/ambitctl", &MAINS),
+        pkg(
             "ambit-tests",
             "tests",
-            vec![
-                ("ambit-control", "normal"),
-                ("ambit-ztunnel", "normal"),
-                ("ambit-cni", "normal"),
-                ("ambitctl", "normal"),
-            ],
+            &[&MAINS[..], &[("ambitctl", "normal")]].concat(),
         ),
-        (
+        pkg(
             "ambit-benches",
             "benches",
-            vec![("ambit-tests", "normal"), ("ambit-control", "dev")],
+            &[("ambit-tests", "normal"), ("ambit-control", "dev")],
         ),
     ]
+}
+
+/// The package `name` of `ws`.
+fn find<'a>(ws: &'a mut [FakePackage], name: &str) -> &'a mut FakePackage {
+    ws.iter_mut().find(|p| p.name == name).unwrap()
 }
 
 /// `good()` with `from` also depending on `to`.
 fn with_edge(from: &str, to: &'static str, kind: &'static str) -> Value {
     let mut ws = good();
-    let p = ws.iter_mut().find(|p| p.0 == from).unwrap();
-    p.2.push((to, kind));
-    as_metadata(&ws)
-}
-
-fn as_metadata(
-    ws: &[(
-        &'static str,
-        &'static str,
-        Vec<(&'static str, &'static str)>,
-    )],
-) -> Value {
-    let borrowed: Vec<(&str, &str, &[(&str, &str)])> =
-        ws.iter().map(|(n, d, e)| (*n, *d, e.as_slice())).collect();
-    fake(&borrowed)
+    find(&mut ws, from).deps.push((to, kind));
+    fake(&ws)
 }
 
 #[test]
 fn the_intended_layout_passes() {
-    assert_eq!(
-        check(&as_metadata(&good()), &[]).unwrap(),
-        Vec::<String>::new()
-    );
+    assert_eq!(check(&fake(&good()), &[]).unwrap(), Vec::<String>::new());
 }
 
 #[test]
@@ -537,17 +531,13 @@ fn dev_dependencies_are_not_inherited() {
     // ztunnel is not built for control's tests, but the nested crate is
     // still reported for its own dev edge.
     let mut ws = good();
-    ws.iter_mut()
-        .find(|p| p.0 == "ambit-control")
-        .unwrap()
-        .2
+    find(&mut ws, "ambit-control")
+        .deps
         .push(("ambit-inpod", "dev"));
-    ws.iter_mut()
-        .find(|p| p.0 == "ambit-inpod")
-        .unwrap()
-        .2
+    find(&mut ws, "ambit-inpod")
+        .deps
         .push(("ambit-ztunnel", "dev"));
-    let problems = check(&as_metadata(&ws), &[]).unwrap();
+    let problems = check(&fake(&ws), &[]).unwrap();
     assert_eq!(problems.len(), 1, "{problems:?}");
     assert!(problems[0].starts_with("ambit-inpod → ambit-ztunnel (dev)"));
 }
@@ -561,7 +551,7 @@ fn pending_edges_are_allowed_only_while_they_exist_and_are_forbidden() {
         Vec::<String>::new()
     );
     // Gone: the entry is stale.
-    let problems = check(&as_metadata(&good()), &[("ambit-cni", "ambit-control")]).unwrap();
+    let problems = check(&fake(&good()), &[("ambit-cni", "ambit-control")]).unwrap();
     assert_eq!(problems.len(), 1, "{problems:?}");
     assert!(
         problems[0].contains("PENDING_EDGES lists ambit-cni → ambit-control")
@@ -570,7 +560,7 @@ fn pending_edges_are_allowed_only_while_they_exist_and_are_forbidden() {
     );
     // Allowed anyway, or naming no package: the entry is wrong.
     let problems = check(
-        &as_metadata(&good()),
+        &fake(&good()),
         &[
             ("ambitctl", "ambit-control"),
             ("ambit-cni", "ambit-nothing"),
@@ -590,9 +580,9 @@ fn pending_edges_are_allowed_only_while_they_exist_and_are_forbidden() {
 #[test]
 fn a_moved_main_crate_or_cli_is_reported() {
     let mut ws = good();
-    ws.iter_mut().find(|p| p.0 == "ambit-cni").unwrap().1 = "node/cni";
-    ws.iter_mut().find(|p| p.0 == "ambitctl").unwrap().1 = "ctl";
-    let problems = check(&as_metadata(&ws), &[]).unwrap();
+    find(&mut ws, "ambit-cni").dir = "node/cni";
+    find(&mut ws, "ambitctl").dir = "ctl";
+    let problems = check(&fake(&ws), &[]).unwrap();
     assert!(
         problems
             .iter()
