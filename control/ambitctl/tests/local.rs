@@ -178,7 +178,7 @@ fn config_errors_and_empty_configs_are_reported() {
 
 #[test]
 fn the_shipped_demo_plans() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/local/demo");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/local/demo");
     let p = local::plan_dir(&dir).unwrap();
     assert!(p.nodes.len() >= 2, "{p:?}");
     assert!(p.pods.iter().any(|p| p.ambient) && p.pods.iter().any(|p| !p.ambient));
