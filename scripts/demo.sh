@@ -31,7 +31,7 @@ fi
 command -v cargo >/dev/null || { echo "cargo is missing: install Rust from https://rustup.rs"; exit 1; }
 
 echo "==> building (release): ambit-control, ztunnel, ambit-node-agent, ambit-cni, ambitctl, ambit-demo"
-cargo build --release --locked -p ambit-control -p ambit-ztunnel -p ambit-cni -p ambit-tests --bins
+cargo build --release --locked -p ambit-control -p ambitctl -p ambit-ztunnel -p ambit-cni -p ambit-tests --bins
 
 # A previous run (or a crashed one) is removed first.
 "$ctl" local down --name "$name" >/dev/null 2>&1 || true

@@ -1,5 +1,5 @@
 //! Pod to pod across two nodes, on the bed of `ambitctl local up`
-//! (`ambit_control::local`): the real binaries as processes (control plane,
+//! (`ambitctl::local`): the real binaries as processes (control plane,
 //! a node agent and a ztunnel per node), pods wired by the CNI reference
 //! plugins chained with `ambit-cni`, traffic over the real veth/bridge/lan
 //! path. Each figure is measured through the mesh (client and server pods
@@ -23,8 +23,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use ambit_control::local::{self, LocalCluster, Role, UpOptions};
 use ambit_tests::netbed::{self, PodNet};
+use ambitctl::local::{self, LocalCluster, Role, UpOptions};
 use anyhow::{Context, Result};
 use tokio::io::AsyncReadExt;
 

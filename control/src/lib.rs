@@ -7,7 +7,6 @@ pub mod ca;
 pub mod config;
 pub mod debug;
 pub mod http;
-pub mod local;
 pub mod model;
 pub mod source;
 pub mod tls_listener;

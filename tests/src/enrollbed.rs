@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 use ambit_cni::agent::view::spawn_dir_view;
 use ambit_cni::agent::{Agent, AgentConfig};
 use ambit_control::ControlPlane;
-use ambit_control::local::cni::{Invocation, exec_plugin};
 use ambit_ztunnel::Ztunnel;
+use ambitctl::local::cni::{Invocation, exec_plugin};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 

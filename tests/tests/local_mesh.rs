@@ -1,5 +1,5 @@
 //! The demo mesh end to end on the code of `ambitctl local up`
-//! (`ambit_control::local`): the real binaries as processes, nodes and pods
+//! (`ambitctl::local`): the real binaries as processes, nodes and pods
 //! as network namespaces wired by the CNI reference plugins chained with
 //! `ambit-cni`, a node agent and a ztunnel per node, the demo apps in the
 //! pods. Each test has its own cluster name and state dir (safe in
@@ -14,9 +14,9 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use ambit_control::local::{self, DownOnDrop, LocalCluster, UpOptions};
 use ambit_tests::enrollbed;
 use ambit_tests::{copy_fixture, workspace_root};
+use ambitctl::local::{self, DownOnDrop, LocalCluster, UpOptions};
 
 /// Where the workspace's binaries are (next to this test's directory).
 fn bin_dir(test: &str) -> Option<PathBuf> {

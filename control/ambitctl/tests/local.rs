@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use ambit_control::local::status::{opened_by_policy, parse_access_line};
-use ambit_control::local::{
+use ambitctl::local::status::{opened_by_policy, parse_access_line};
+use ambitctl::local::{
     self, DownOptions, LocalCluster, LocalError, UpOptions, app_ports, check_name, plan_documents,
 };
 
@@ -178,7 +178,7 @@ fn config_errors_and_empty_configs_are_reported() {
 
 #[test]
 fn the_shipped_demo_plans() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/local/demo");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/local/demo");
     let p = local::plan_dir(&dir).unwrap();
     assert!(p.nodes.len() >= 2, "{p:?}");
     assert!(p.pods.iter().any(|p| p.ambient) && p.pods.iter().any(|p| !p.ambient));

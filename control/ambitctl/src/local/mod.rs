@@ -4,8 +4,9 @@
 //! ztunnel per node and the pods' demo apps run as background processes
 //! with their logs in a state directory.
 //!
-//! The CLI (`ambitctl local up|down|status|exec`) is a thin layer over this
-//! module, and the end-to-end tests drive the same code.
+//! The CLI (`ambitctl local up|down|status|exec`, flags in the binary's
+//! `commands/local.rs`) is a thin layer over this module, and the end-to-end
+//! tests drive the same code.
 //!
 //! State directory (default `/var/run/ambit-local/<name>`):
 //!

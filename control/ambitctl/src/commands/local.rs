@@ -1,35 +1,20 @@
-//! `ambitctl`: the Ambit command line. `ambitctl local up|down|status|exec`
-//! runs a whole mesh on this host (SPEC §5); the work is done by
-//! `ambit_control::local`, this file only parses flags and prints.
+//! `ambitctl local up|down|status|exec`: flags and printing for a whole
+//! mesh on this host (SPEC §5); the work is [`ambitctl::local`].
 
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use ambit_control::local::{self, DownOptions, LocalCluster, UpOptions};
+use ambitctl::local::{self, DownOptions, LocalCluster, UpOptions};
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::Subcommand;
 
-#[derive(Debug, Parser)]
-#[command(name = "ambitctl", version, about = "Ambit command line")]
-struct Cli {
-    #[command(subcommand)]
-    command: Top,
-}
-
-#[derive(Debug, Subcommand)]
-enum Top {
-    /// A whole mesh on this host: nodes and pods as network namespaces,
-    /// the control plane, node agents, ztunnels and demo apps as
-    /// background processes. Needs root.
-    #[command(subcommand)]
-    Local(LocalCmd),
-}
+use super::{Format, out};
 
 /// Which cluster: its name and where its state is.
 #[derive(Debug, clap::Args)]
-struct Which {
+pub struct Which {
     /// Cluster name (lower-case letters and digits); prefixes its network
     /// namespaces, so several clusters can run side by side.
     #[arg(long, env = "AMBIT_LOCAL_NAME", default_value = local::DEFAULT_NAME)]
@@ -39,14 +24,8 @@ struct Which {
     state_dir: Option<PathBuf>,
 }
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum Format {
-    Table,
-    Json,
-}
-
 #[derive(Debug, Subcommand)]
-enum LocalCmd {
+pub enum LocalCmd {
     /// Builds the cluster from DIR's YAML and returns once the mesh is ready.
     Up {
         /// Directory of Kubernetes YAML: Namespaces, Pods (with
@@ -94,29 +73,8 @@ enum LocalCmd {
     },
 }
 
-fn main() -> ExitCode {
-    let cli = Cli::parse();
-    match run(cli) {
-        Ok(code) => code,
-        Err(e) => {
-            // LocalError messages already carry their causes.
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-/// Writes to stdout; a closed pipe (`| head`) is not an error.
-fn out(text: &str) {
-    use std::io::Write;
-    let mut stdout = std::io::stdout().lock();
-    let _ = stdout
-        .write_all(text.as_bytes())
-        .and_then(|()| stdout.flush());
-}
-
-fn run(cli: Cli) -> Result<ExitCode> {
-    let Top::Local(cmd) = cli.command;
+/// Runs one `local` command; the exit code is the command's own for `exec`.
+pub fn run(cmd: LocalCmd) -> Result<ExitCode> {
     match cmd {
         LocalCmd::Up {
             dir,

@@ -1,0 +1,19 @@
+//! `ambitctl`, the Ambit command line, as a library: one module per command
+//! family doing that family's work, so tests and benches drive the very code
+//! the binary runs. The binary (`src/main.rs`, with one flags-and-printing
+//! module per family in `src/commands/`) only parses flags, calls these and
+//! prints.
+//!
+//! Families today: [`local`] (a whole mesh on this host, SPEC §5). The
+//! others of SPEC §6 — `analyze`, `proxy_status`, `proxy_config`,
+//! `ztunnel_config`, `authn`, `install` — each get a module here and one in
+//! `src/commands/` of the same name.
+//!
+//! This crate is the only one besides `tests` and `benches` that may depend
+//! on every Ambit crate (control, ztunnel, cni; SPEC §1). It depends on what
+//! it uses: the control plane's config types, all reached through
+//! [`config`](crate::config) (crate-private).
+#![forbid(unsafe_code)]
+
+mod config;
+pub mod local;
