@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use super::LocalError;
-use crate::model::objects::{Labels, Object};
-use crate::model::translate::is_enrolled;
-use crate::source::file::parse_documents;
+use ambit_config::is_enrolled;
+use ambit_config::objects::{Labels, Object};
+use ambit_config::parse_documents;
 
 /// Pod annotation naming the demo app a pod runs: the `ambit-demo`
 /// arguments, e.g. `"--http 8080"`.

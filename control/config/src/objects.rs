@@ -14,7 +14,7 @@ use std::net::IpAddr;
 use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize};
 
-pub use super::istio::*;
+pub use crate::istio::*;
 
 /// Label that enrolls a namespace or pod in ambient mode (`ambient`) or opts a
 /// pod out (`none`).

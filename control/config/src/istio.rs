@@ -1,5 +1,5 @@
 //! The Istio kinds of the object model (`networking.istio.io`,
-//! `security.istio.io`), re-exported by [`super::objects`].
+//! `security.istio.io`), re-exported by [`crate::objects`].
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -9,7 +9,7 @@ use std::str::FromStr;
 use serde::Deserialize;
 use serde::de::{self, Deserializer};
 
-use super::objects::{
+use crate::objects::{
     LabelSelector, Labels, ObjectMeta, check_port, nullable, optional_port_number, parse_str,
     port_number,
 };

@@ -4,15 +4,21 @@
 //! Sources call [`decode_yaml_document`] per document; it never panics and
 //! returns `Ok(None)` for empty documents and for kinds the mesh does not use
 //! (ConfigMap, Deployment, ...), which are only logged at debug level.
+//!
+//! Decoding checks the schema and what serde cannot express (IP syntax of
+//! string fields, required names, `when` condition values); warnings about
+//! what the control plane will not enforce are the control plane's business.
 
 use std::net::IpAddr;
 
 use serde::de::DeserializeOwned;
 use serde_yaml::Value;
-use tracing::{debug, warn};
+use tracing::debug;
 
-use super::authz;
-use super::objects::{AuthorizationAction, AuthorizationPolicy, Cidr, Kind, Object, ObjectKey};
+use crate::objects::{AuthorizationPolicy, Cidr, Kind, Object, ObjectKey};
+
+#[cfg(test)]
+mod tests;
 
 /// Why a document was rejected. Every message ends with what to do.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -446,15 +452,6 @@ fn validate_policy(ap: &AuthorizationPolicy) -> Result<(), String> {
                 _ => {}
             }
         }
-    }
-    let (ns, name) = (&ap.metadata.namespace, &ap.metadata.name);
-    if matches!(
-        ap.spec.action,
-        AuthorizationAction::Audit | AuthorizationAction::Custom
-    ) {
-        warn!(namespace = %ns, name = %name, action = ?ap.spec.action, "AuthorizationPolicy {ns}/{name}: ztunnel does not support the {} action; accepted but not enforced (no policy is sent to ztunnel)", if ap.spec.action == AuthorizationAction::Custom { "CUSTOM" } else { "AUDIT" });
-    } else if let Some(msg) = authz::l7_warning(ap) {
-        warn!(namespace = %ns, name = %name, "{msg}");
     }
     Ok(())
 }

@@ -1,0 +1,248 @@
+//! Decoding tests: accepted API versions, ignored and unknown kinds, error
+//! messages (what, where, what to do) and decoded defaults.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use super::*;
+use crate::objects::TargetPort;
+
+fn decode(yaml: &str) -> Result<Option<Object>, Box<DecodeFailure>> {
+    decode_yaml_document(yaml, 0)
+}
+
+#[test]
+fn api_versions_table() {
+    // (apiVersion, kind, accepted?)
+    let cases = [
+        ("v1", "Pod", true),
+        ("apps/v1", "Pod", false),
+        ("networking.istio.io/v1", "ServiceEntry", true),
+        ("networking.istio.io/v1beta1", "ServiceEntry", true),
+        ("networking.istio.io/v1alpha3", "WorkloadEntry", true),
+        ("networking.istio.io/v2", "ServiceEntry", false),
+        ("security.istio.io/v1", "AuthorizationPolicy", true),
+        ("security.istio.io/v1beta1", "PeerAuthentication", true),
+        ("security.istio.io/v1alpha1", "PeerAuthentication", false),
+        ("discovery.k8s.io/v1", "EndpointSlice", true),
+    ];
+    for (av, kind, ok) in cases {
+        let yaml = format!(
+            "apiVersion: {av}\nkind: {kind}\nmetadata: {{name: x, namespace: n}}\nspec: {{hosts: [a.b]}}\n"
+        );
+        match decode(&yaml) {
+            Ok(Some(o)) => assert!(ok, "{av} {kind} should be rejected, got {o:?}"),
+            Ok(None) => panic!("{av} {kind} ignored"),
+            Err(f) => {
+                assert!(!ok, "{av} {kind} rejected: {}", f.error);
+                assert!(matches!(f.error, DecodeError::UnsupportedApiVersion { .. }));
+                assert_eq!(
+                    f.key,
+                    Some(ObjectKey::new(Kind::from_kind_str(kind).unwrap(), "n", "x"))
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn ignored_and_unknown_kinds() {
+    for yaml in [
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n",
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d}\n",
+        "apiVersion: networking.istio.io/v1\nkind: VirtualService\nmetadata: {name: v}\n",
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {name: r}\n",
+        "",
+        "# only a comment\n",
+    ] {
+        assert_eq!(decode(yaml).unwrap(), None, "{yaml}");
+    }
+    let f =
+        decode("apiVersion: networking.istio.io/v1\nkind: ServiceEntri\nmetadata: {name: typo}\n")
+            .unwrap_err();
+    assert!(
+        matches!(f.error, DecodeError::UnknownKind { .. }),
+        "{:?}",
+        f.error
+    );
+    assert_eq!((f.kind.as_str(), f.name.as_str()), ("ServiceEntri", "typo"));
+}
+
+#[test]
+fn decode_errors_table() {
+    // (document, expected kind/ns/name, key readable, reason fragment)
+    let cases = [
+        (
+            "kind: Pod\nmetadata: {name: p}\n",
+            "Pod//p",
+            false,
+            "missing apiVersion",
+        ),
+        (
+            "apiVersion: v1\nmetadata: {name: p}\n",
+            "//p",
+            false,
+            "missing kind",
+        ),
+        (
+            "apiVersion: v1\nkind: Pod\nmetadata: {namespace: a}\n",
+            "Pod/a/",
+            false,
+            "missing metadata.name",
+        ),
+        ("- a\n- b\n", "//", false, "not a mapping"),
+        (
+            "apiVersion: v1\nkind: Pod\nmetadata: {name: [x]}\n",
+            "Pod/default/",
+            false,
+            "metadata.name must be a string",
+        ),
+        (
+            "apiVersion: v1\nkind: Service\nmetadata: {name: s, namespace: a}\nspec:\n  ports:\n  - port: http\n",
+            "Service/a/s",
+            true,
+            "spec.ports[0].port: invalid type: string \"http\", expected a port number (1-65535) at line 6",
+        ),
+        (
+            "apiVersion: v1\nkind: Service\nmetadata: {name: s}\nspec:\n  ports:\n  - port: 80\n    targetPort: 'not a name'\n",
+            "Service/default/s",
+            true,
+            "spec.ports[0].targetPort: \"not a name\" is neither a port number",
+        ),
+        (
+            "apiVersion: v1\nkind: Service\nmetadata: {name: s}\nspec:\n  ports:\n  - port: 80\n    targetPort: 70000\n",
+            "Service/default/s",
+            true,
+            "port 70000 is out of range",
+        ),
+        (
+            "apiVersion: v1\nkind: Service\nmetadata: {name: s}\nspec:\n  clusterIP: 10.0.0.300\n",
+            "Service/default/s",
+            true,
+            "spec.clusterIP: \"10.0.0.300\" is not a valid IP address",
+        ),
+        (
+            "apiVersion: v1\nkind: Pod\nmetadata: {name: p, namespace: a}\nstatus: {podIP: 10.1}\n",
+            "Pod/a/p",
+            true,
+            "status.podIP: \"10.1\" is not a valid IP address",
+        ),
+        (
+            "apiVersion: v1\nkind: Pod\nmetadata: {name: p, namespace: a}\nspec: {hostNetwork: maybe}\n",
+            "Pod/a/p",
+            true,
+            "spec.hostNetwork: invalid type",
+        ),
+        (
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: e, namespace: a}\naddressType: IPv4\nendpoints: [{addresses: [nope]}]\n",
+            "EndpointSlice/a/e",
+            true,
+            "endpoints[0].addresses: \"nope\" is not a valid IP address",
+        ),
+        (
+            "apiVersion: networking.istio.io/v1\nkind: ServiceEntry\nmetadata: {name: se, namespace: a}\nspec: {hosts: [x], addresses: [1.2.3]}\n",
+            "ServiceEntry/a/se",
+            true,
+            "spec.addresses: \"1.2.3\" is not an IP address or CIDR",
+        ),
+        (
+            "apiVersion: networking.istio.io/v1\nkind: ServiceEntry\nmetadata: {name: se, namespace: a}\nspec: {hosts: [x], resolution: MAGIC}\n",
+            "ServiceEntry/a/se",
+            true,
+            "spec.resolution: unknown variant `MAGIC`",
+        ),
+        (
+            "apiVersion: security.istio.io/v1\nkind: AuthorizationPolicy\nmetadata: {name: ap, namespace: a}\nspec:\n  rules: [{to: [{operation: {ports: [http]}}]}]\n",
+            "AuthorizationPolicy/a/ap",
+            true,
+            "\"http\" is not a port number",
+        ),
+        (
+            "apiVersion: security.istio.io/v1\nkind: AuthorizationPolicy\nmetadata: {name: ap, namespace: a}\nspec:\n  rules: [{from: [{source: {ipBlocks: [10.0.0.0/40]}}]}]\n",
+            "AuthorizationPolicy/a/ap",
+            true,
+            "not an IP address or CIDR",
+        ),
+        (
+            "apiVersion: security.istio.io/v1\nkind: PeerAuthentication\nmetadata: {name: pa, namespace: a}\nspec: {mtls: {mode: SOMETIMES}}\n",
+            "PeerAuthentication/a/pa",
+            true,
+            "spec.mtls.mode: unknown variant `SOMETIMES`",
+        ),
+        (
+            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: p\n  namespace: a\n labels: {x: y}\n",
+            "Pod/a/p",
+            false,
+            "YAML syntax error",
+        ),
+    ];
+    for (i, (yaml, ident, keyed, reason)) in cases.into_iter().enumerate() {
+        let f = decode(yaml).expect_err(&format!("case {i} must be rejected"));
+        assert_eq!(
+            format!("{}/{}/{}", f.kind, f.namespace, f.name),
+            ident,
+            "case {i}"
+        );
+        assert_eq!(f.key.is_some(), keyed, "case {i}");
+        let msg = f.error.to_string();
+        assert!(msg.contains(reason), "case {i}: {msg:?} lacks {reason:?}");
+        assert!(msg.contains("; "), "case {i}: {msg:?} has no hint");
+    }
+}
+
+#[test]
+fn line_offset_shifts_messages() {
+    let yaml =
+        "apiVersion: v1\nkind: Service\nmetadata: {name: s}\nspec:\n  ports:\n  - port: http\n";
+    let f = decode_yaml_document(yaml, 100).unwrap_err();
+    assert!(
+        f.error.to_string().contains("at line 106 column"),
+        "{}",
+        f.error
+    );
+}
+
+#[test]
+fn decoded_fields_and_defaults() {
+    let o = decode(
+        "apiVersion: v1\nkind: Service\nmetadata: {name: s, labels: ~}\nspec:\n  clusterIP: 10.0.0.1\n  clusterIPs: [10.0.0.1, 'fd00::1']\n  selector: {app: a}\n  ports:\n  - {name: a, port: 80, targetPort: http}\n  - {name: b, port: 81, targetPort: '8081'}\n  - {name: c, port: 82}\n",
+    )
+    .unwrap()
+    .unwrap();
+    let Object::Service(s) = o else {
+        panic!("not a service")
+    };
+    assert_eq!(s.metadata.namespace, "default");
+    assert_eq!(
+        s.spec.vips,
+        vec![
+            "10.0.0.1".parse::<std::net::IpAddr>().unwrap(),
+            "fd00::1".parse().unwrap()
+        ]
+    );
+    let targets: Vec<Option<TargetPort>> =
+        s.spec.ports.iter().map(|p| p.target_port.clone()).collect();
+    assert_eq!(
+        targets,
+        vec![
+            Some(TargetPort::Name("http".into())),
+            Some(TargetPort::Number(8081)),
+            None
+        ]
+    );
+    let o = decode("apiVersion: v1\nkind: Namespace\nmetadata: {name: n, namespace: ignored}\n")
+        .unwrap()
+        .unwrap();
+    assert_eq!(o.key(), ObjectKey::new(Kind::Namespace, "", "n"));
+    assert_eq!(o.key().to_string(), "Namespace//n");
+    // JSON-shaped input (future Kubernetes source) goes through decode_value.
+    let v: serde_yaml::Value = serde_yaml::to_value(serde_json::json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": "e", "namespace": "a", "labels": {"kubernetes.io/service-name": "s"}},
+        "addressType": "IPv4", "endpoints": null, "ports": null
+    }))
+    .unwrap();
+    let Some(Object::EndpointSlice(e)) = decode_value(v).unwrap() else {
+        panic!("not a slice")
+    };
+    assert_eq!(e.service_name(), Some("s"));
+    assert!(e.endpoints.is_empty());
+}
