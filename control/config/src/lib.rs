@@ -25,7 +25,9 @@ mod istio;
 pub mod objects;
 
 pub use change::{Change, ConfigError};
-pub use decode::{DecodeError, DecodeFailure, decode_yaml_document};
+pub use decode::{
+    DecodeError, DecodeFailure, decode_json, decode_json_value, decode_yaml_document,
+};
 pub use dir::{ConfigDir, DirUpdate, config_files, parse_documents};
 pub use enroll::is_enrolled;
 pub use objects::{Kind, Object, ObjectKey};

@@ -1,21 +1,33 @@
-//! Turning one YAML (or JSON) document into an [`Object`], with errors that
-//! say what is wrong, where, and what to do.
+//! Turning one YAML document, JSON bytes or a JSON value into an [`Object`],
+//! with errors that say what is wrong, where, and what to do.
 //!
-//! Sources call [`decode_yaml_document`] per document; it never panics and
-//! returns `Ok(None)` for empty documents and for kinds the mesh does not use
-//! (ConfigMap, Deployment, ...), which are only logged at debug level.
+//! The file source calls [`decode_yaml_document`] per document, the
+//! Kubernetes source will call [`decode_json`] on the API server's bytes (or
+//! [`decode_json_value`] on a parsed value) — no detour through YAML. Each
+//! never panics and returns `Ok(None)` for empty documents and for kinds the
+//! mesh does not use (ConfigMap, Deployment, ...), which are only logged at
+//! debug level.
+//!
+//! Every format goes the same two steps: the identity (`apiVersion`, `kind`,
+//! `metadata`) is read first (`head.rs`), so a rejected document still names
+//! its object; then the document is deserialized into the kind's struct
+//! with the failing field's path in the message (`spec.ports[0].port`).
 //!
 //! Decoding checks the schema and what serde cannot express (IP syntax of
 //! string fields, required names, `when` condition values); warnings about
 //! what the control plane will not enforce are the control plane's business.
 
-use std::net::IpAddr;
-
+use serde::Deserialize;
 use serde::de::DeserializeOwned;
-use serde_yaml::Value;
 use tracing::debug;
 
-use crate::objects::{AuthorizationPolicy, Cidr, Kind, Object, ObjectKey};
+use crate::objects::{Kind, Object, ObjectKey};
+
+mod head;
+mod validate;
+mod yaml;
+
+use head::{Field, Head};
 
 #[cfg(test)]
 mod tests;
@@ -25,6 +37,8 @@ mod tests;
 pub enum DecodeError {
     #[error("YAML syntax error: {0}; fix the syntax (indentation, quoting, a missing ':')")]
     Syntax(String),
+    #[error("JSON syntax error: {0}; send one complete JSON object")]
+    JsonSyntax(String),
     #[error(
         "the document is not a mapping (found {0}); each document must be one Kubernetes object with apiVersion, kind and metadata"
     )]
@@ -88,8 +102,8 @@ pub fn decode_yaml_document(
     text: &str,
     line_offset: usize,
 ) -> Result<Option<Object>, Box<DecodeFailure>> {
-    let value: Value = match serde_yaml::from_str(text) {
-        Ok(v) => v,
+    let head: Head = match yaml::from_yaml(text, line_offset) {
+        Ok(h) => h,
         Err(e) => {
             let (kind, namespace, name) = scan_identity(text);
             return Err(Box::new(DecodeFailure {
@@ -97,59 +111,95 @@ pub fn decode_yaml_document(
                 kind,
                 namespace,
                 name,
-                error: DecodeError::Syntax(message(&e, line_offset)),
+                error: DecodeError::Syntax(e.message),
             }));
         }
     };
-    match read_head(&value)? {
-        None => Ok(None),
-        Some(key) => typed_from_str(text, line_offset, key).map(Some),
+    decode_with(head, &YamlText { text, line_offset })
+}
+
+/// Decodes one object from JSON bytes (as the API server sends them).
+pub fn decode_json(bytes: &[u8]) -> Result<Option<Object>, Box<DecodeFailure>> {
+    let head: Head = serde_json::from_slice(bytes)
+        .map_err(|e| fail(None, "", "", "", DecodeError::JsonSyntax(e.to_string())))?;
+    decode_with(head, &JsonBytes(bytes))
+}
+
+/// Decodes one object from an already parsed JSON value.
+pub fn decode_json_value(value: &serde_json::Value) -> Result<Option<Object>, Box<DecodeFailure>> {
+    let head = Head::deserialize(value)
+        .map_err(|e| fail(None, "", "", "", DecodeError::Invalid(e.to_string())))?;
+    decode_with(head, &JsonValue(value))
+}
+
+/// A document in some format, deserializable into any kind's struct; the
+/// error is the message with the failing field's path.
+trait Document {
+    fn parse<T: DeserializeOwned>(&self) -> Result<T, String>;
+}
+
+struct YamlText<'t> {
+    text: &'t str,
+    line_offset: usize,
+}
+
+impl Document for YamlText<'_> {
+    fn parse<T: DeserializeOwned>(&self) -> Result<T, String> {
+        yaml::from_yaml(self.text, self.line_offset).map_err(|e| match e.path {
+            Some(p) => format!("{p}: {}", e.message),
+            None => e.message,
+        })
     }
 }
 
-/// Decodes an already parsed document (e.g. JSON from the API server
-/// converted with `serde_yaml::to_value`).
-pub fn decode_value(value: Value) -> Result<Option<Object>, Box<DecodeFailure>> {
-    match read_head(&value)? {
-        None => Ok(None),
-        Some(key) => typed_from_value(value, key).map(Some),
+struct JsonBytes<'b>(&'b [u8]);
+
+impl Document for JsonBytes<'_> {
+    fn parse<T: DeserializeOwned>(&self) -> Result<T, String> {
+        let mut de = serde_json::Deserializer::from_slice(self.0);
+        serde_path_to_error::deserialize(&mut de).map_err(|e| e.to_string())
     }
 }
 
-/// Reads apiVersion/kind/metadata, checks they are acceptable and returns the
-/// kind and key when the document is a modelled object.
-fn read_head(value: &Value) -> Result<Option<ObjectKey>, Box<DecodeFailure>> {
-    let map = match value {
-        Value::Null => return Ok(None),
-        Value::Mapping(m) => m,
-        other => {
-            return Err(fail(
-                None,
-                "",
-                "",
-                "",
-                DecodeError::NotAnObject(type_name(other)),
-            ));
+struct JsonValue<'v>(&'v serde_json::Value);
+
+impl Document for JsonValue<'_> {
+    fn parse<T: DeserializeOwned>(&self) -> Result<T, String> {
+        serde_path_to_error::deserialize(self.0).map_err(|e| e.to_string())
+    }
+}
+
+fn decode_with(head: Head, doc: &impl Document) -> Result<Option<Object>, Box<DecodeFailure>> {
+    match check_head(head)? {
+        None => Ok(None),
+        Some(key) => typed(doc, key).map(Some),
+    }
+}
+
+/// Checks apiVersion/kind/metadata are acceptable and returns the key when
+/// the document is a modelled object.
+fn check_head(head: Head) -> Result<Option<ObjectKey>, Box<DecodeFailure>> {
+    let (api_version, kind, name, namespace) = match head {
+        Head::Empty => return Ok(None),
+        Head::NotAnObject(what) => {
+            return Err(fail(None, "", "", "", DecodeError::NotAnObject(what)));
         }
+        Head::Object {
+            api_version,
+            kind,
+            name,
+            namespace,
+        } => (api_version, kind, name, namespace),
     };
-    let get_str = |m: &serde_yaml::Mapping, field: &'static str, k: &str| match m.get(k) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(_) => Err(DecodeError::NotAString { field }),
+    let get = |f: Field, field: &'static str| match f {
+        Field::Missing => Ok(None),
+        Field::Str(s) => Ok(Some(s)),
+        Field::NotAString => Err(DecodeError::NotAString { field }),
     };
-    let meta = map.get("metadata");
-    let name = meta
-        .and_then(Value::as_mapping)
-        .map(|m| get_str(m, "metadata.name", "name"))
-        .transpose()
-        .map(Option::flatten);
-    let namespace = meta
-        .and_then(Value::as_mapping)
-        .map(|m| get_str(m, "metadata.namespace", "namespace"))
-        .transpose()
-        .map(Option::flatten);
-    let kind = get_str(map, "kind", "kind");
-    let api_version = get_str(map, "apiVersion", "apiVersion");
+    let name = get(name, "metadata.name");
+    let namespace = get(namespace, "metadata.namespace");
+    let kind = get(kind, "kind");
+    let api_version = get(api_version, "apiVersion");
     let shown = |r: &Result<Option<String>, DecodeError>| {
         r.as_ref().ok().cloned().flatten().unwrap_or_default()
     };
@@ -236,69 +286,21 @@ fn fail(
     })
 }
 
-fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "nothing",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Sequence(_) => "a list",
-        Value::Mapping(_) => "a mapping",
-        Value::Tagged(_) => "a tagged value",
-    }
-}
-
-fn typed_from_str(text: &str, offset: usize, key: ObjectKey) -> Result<Object, Box<DecodeFailure>> {
-    typed(key, |k| match k {
-        Kind::Namespace => parse_str(text, offset).map(Object::Namespace),
-        Kind::Pod => parse_str(text, offset).map(Object::Pod),
-        Kind::Service => parse_str(text, offset).map(Object::Service),
-        Kind::EndpointSlice => parse_str(text, offset).map(Object::EndpointSlice),
-        Kind::ServiceEntry => parse_str(text, offset).map(|o| Object::ServiceEntry(Box::new(o))),
-        Kind::WorkloadEntry => parse_str(text, offset).map(Object::WorkloadEntry),
-        Kind::PeerAuthentication => parse_str(text, offset).map(Object::PeerAuthentication),
-        Kind::AuthorizationPolicy => parse_str(text, offset).map(Object::AuthorizationPolicy),
+/// Deserializes the document into its kind's struct.
+fn parse_kind(doc: &impl Document, kind: Kind) -> Result<Object, String> {
+    Ok(match kind {
+        Kind::Namespace => Object::Namespace(doc.parse()?),
+        Kind::Pod => Object::Pod(doc.parse()?),
+        Kind::Service => Object::Service(doc.parse()?),
+        Kind::EndpointSlice => Object::EndpointSlice(doc.parse()?),
+        Kind::ServiceEntry => Object::ServiceEntry(Box::new(doc.parse()?)),
+        Kind::WorkloadEntry => Object::WorkloadEntry(doc.parse()?),
+        Kind::PeerAuthentication => Object::PeerAuthentication(doc.parse()?),
+        Kind::AuthorizationPolicy => Object::AuthorizationPolicy(doc.parse()?),
     })
 }
 
-fn typed_from_value(v: Value, key: ObjectKey) -> Result<Object, Box<DecodeFailure>> {
-    typed(key, move |k| match k {
-        Kind::Namespace => parse_value(v).map(Object::Namespace),
-        Kind::Pod => parse_value(v).map(Object::Pod),
-        Kind::Service => parse_value(v).map(Object::Service),
-        Kind::EndpointSlice => parse_value(v).map(Object::EndpointSlice),
-        Kind::ServiceEntry => parse_value(v).map(|o| Object::ServiceEntry(Box::new(o))),
-        Kind::WorkloadEntry => parse_value(v).map(Object::WorkloadEntry),
-        Kind::PeerAuthentication => parse_value(v).map(Object::PeerAuthentication),
-        Kind::AuthorizationPolicy => parse_value(v).map(Object::AuthorizationPolicy),
-    })
-}
-
-fn parse_str<T: DeserializeOwned>(text: &str, offset: usize) -> Result<T, String> {
-    serde_yaml::from_str(text).map_err(|e| message(&e, offset))
-}
-
-/// The error's message with its line number shifted by `offset`.
-fn message(e: &serde_yaml::Error, offset: usize) -> String {
-    let s = e.to_string();
-    match e.location() {
-        Some(loc) if offset > 0 => {
-            let at = format!("at line {} column {}", loc.line(), loc.column());
-            let fixed = format!("at line {} column {}", loc.line() + offset, loc.column());
-            s.replacen(&at, &fixed, 1)
-        }
-        _ => s,
-    }
-}
-
-fn parse_value<T: DeserializeOwned>(v: Value) -> Result<T, String> {
-    serde_yaml::from_value(v).map_err(|e| e.to_string())
-}
-
-fn typed(
-    key: ObjectKey,
-    parse: impl FnOnce(Kind) -> Result<Object, String>,
-) -> Result<Object, Box<DecodeFailure>> {
+fn typed(doc: &impl Document, key: ObjectKey) -> Result<Object, Box<DecodeFailure>> {
     let reject = |key: &ObjectKey, e: DecodeError| {
         fail(
             Some(key.clone()),
@@ -309,151 +311,11 @@ fn typed(
         )
     };
     let kind = key.kind;
-    let mut obj = parse(kind).map_err(|e| reject(&key, DecodeError::Schema(e, kind.as_str())))?;
-    {
-        let m = obj.metadata_mut();
-        m.namespace.clone_from(&key.namespace);
-    }
-    validate(&mut obj).map_err(|e| reject(&key, DecodeError::Invalid(e)))?;
+    let mut obj =
+        parse_kind(doc, kind).map_err(|e| reject(&key, DecodeError::Schema(e, kind.as_str())))?;
+    obj.metadata_mut().namespace.clone_from(&key.namespace);
+    validate::validate(&mut obj).map_err(|e| reject(&key, DecodeError::Invalid(e)))?;
     Ok(obj)
-}
-
-/// Checks what serde cannot and fills derived fields.
-fn validate(obj: &mut Object) -> Result<(), String> {
-    match obj {
-        Object::Service(s) => {
-            let mut vips = Vec::new();
-            let mut all: Vec<&str> = Vec::new();
-            if !s.spec.cluster_ip.is_empty() {
-                all.push(&s.spec.cluster_ip);
-            }
-            all.extend(s.spec.cluster_ips.iter().map(String::as_str));
-            for (i, ip) in all.into_iter().enumerate() {
-                if ip == "None" || ip.is_empty() {
-                    continue;
-                }
-                let parsed: IpAddr = ip.parse().map_err(|_| {
-                    let field = if i == 0 && !s.spec.cluster_ip.is_empty() {
-                        "spec.clusterIP".to_string()
-                    } else {
-                        "spec.clusterIPs".to_string()
-                    };
-                    format!("{field}: {ip:?} is not a valid IP address; use an IP, \"None\" for a headless service, or leave it out")
-                })?;
-                if !vips.contains(&parsed) {
-                    vips.push(parsed);
-                }
-            }
-            if s.is_headless() {
-                vips.clear();
-            }
-            s.spec.vips = vips;
-            for (i, p) in s.spec.ports.iter().enumerate() {
-                if p.port == 0 {
-                    return Err(format!(
-                        "spec.ports[{i}].port is missing; every service port needs a number (1-65535)"
-                    ));
-                }
-            }
-            if s.spec.ports.len() > 1 && s.spec.ports.iter().any(|p| p.name.is_empty()) {
-                return Err("spec.ports: every port needs a name when a Service has more than one port; add `name:` to each".to_string());
-            }
-        }
-        Object::EndpointSlice(es) => {
-            let fqdn = es.address_type == "FQDN";
-            for (i, ep) in es.endpoints.iter_mut().enumerate() {
-                ep.ips.clear();
-                if fqdn {
-                    continue;
-                }
-                for a in &ep.addresses {
-                    let ip: IpAddr = a.parse().map_err(|_| {
-                        format!("endpoints[{i}].addresses: {a:?} is not a valid IP address; use an IP (or addressType: FQDN for host names)")
-                    })?;
-                    ep.ips.push(ip);
-                }
-            }
-        }
-        Object::ServiceEntry(se) => {
-            if se.spec.hosts.is_empty() {
-                return Err(
-                    "spec.hosts is empty; a ServiceEntry needs at least one host".to_string(),
-                );
-            }
-            if se.spec.workload_selector.is_some() && !se.spec.endpoints.is_empty() {
-                return Err(
-                    "spec.workloadSelector and spec.endpoints are both set; use only one of them"
-                        .to_string(),
-                );
-            }
-            let mut vips = Vec::new();
-            for a in &se.spec.addresses {
-                let c: Cidr = a
-                    .parse()
-                    .map_err(|e| format!("spec.addresses: {e}; list virtual IPs or CIDRs"))?;
-                if c.is_host() {
-                    vips.push(c.addr);
-                } else {
-                    debug!(address = %a, "ServiceEntry CIDR address is not a single VIP; it is not used as a service address");
-                }
-            }
-            se.spec.vips = vips;
-            for (i, p) in se.spec.ports.iter().enumerate() {
-                if p.number == 0 {
-                    return Err(format!(
-                        "spec.ports[{i}].number is missing; every ServiceEntry port needs a number (1-65535)"
-                    ));
-                }
-            }
-        }
-        Object::Pod(p) => {
-            for (i, c) in p.spec.containers.iter().enumerate() {
-                for (j, cp) in c.ports.iter().enumerate() {
-                    if cp.container_port == 0 {
-                        return Err(format!(
-                            "spec.containers[{i}].ports[{j}].containerPort is missing; add the port number"
-                        ));
-                    }
-                }
-            }
-        }
-        Object::AuthorizationPolicy(ap) => validate_policy(ap)?,
-        Object::Namespace(_) | Object::WorkloadEntry(_) | Object::PeerAuthentication(_) => {}
-    }
-    Ok(())
-}
-
-fn validate_policy(ap: &AuthorizationPolicy) -> Result<(), String> {
-    for (i, r) in ap.spec.rules.iter().enumerate() {
-        for (j, c) in r.when.iter().enumerate() {
-            let at = format!("spec.rules[{i}].when[{j}]");
-            let values = c.values.iter().chain(&c.not_values);
-            match c.key.as_str() {
-                "" => {
-                    return Err(format!(
-                        "{at}.key is missing; name the attribute, e.g. source.ip"
-                    ));
-                }
-                "source.ip" | "destination.ip" => {
-                    for v in values {
-                        v.parse::<Cidr>()
-                            .map_err(|e| format!("{at}: {e}; use IPs or CIDRs as values"))?;
-                    }
-                }
-                "destination.port" => {
-                    for v in values {
-                        if v.trim().parse::<u16>().ok().filter(|p| *p != 0).is_none() {
-                            return Err(format!(
-                                "{at}: {v:?} is not a port number; use numbers 1-65535 as values"
-                            ));
-                        }
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
-    Ok(())
 }
 
 /// Best-effort `kind`, `metadata.namespace`, `metadata.name` from the raw

@@ -129,7 +129,7 @@ fn decode_errors_table() {
             "apiVersion: v1\nkind: Pod\nmetadata: {name: p, namespace: a}\nspec: {hostNetwork: maybe}\n",
             "Pod/a/p",
             true,
-            "spec.hostNetwork: invalid type",
+            "spec.hostNetwork: invalid boolean (strict mode expects true/false) at line 4 column 21",
         ),
         (
             "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: e, namespace: a}\naddressType: IPv4\nendpoints: [{addresses: [nope]}]\n",
@@ -232,17 +232,66 @@ fn decoded_fields_and_defaults() {
         .unwrap()
         .unwrap();
     assert_eq!(o.key(), ObjectKey::new(Kind::Namespace, "", "n"));
+    // Empty sections are null: read as defaults, in YAML and in JSON.
+    let pa = decode("apiVersion: security.istio.io/v1\nkind: PeerAuthentication\nmetadata: {name: p, namespace: a}\nspec:\n")
+        .unwrap()
+        .unwrap();
+    assert!(matches!(pa, Object::PeerAuthentication(p) if p.spec.mtls.is_none()));
+    let j = br#"{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": null, "status": null}"#;
+    assert!(matches!(decode_json(j), Ok(Some(Object::Pod(_)))));
     assert_eq!(o.key().to_string(), "Namespace//n");
-    // JSON-shaped input (future Kubernetes source) goes through decode_value.
-    let v: serde_yaml::Value = serde_yaml::to_value(serde_json::json!({
+    // The Kubernetes source hands over JSON directly: a value or bytes.
+    let v = serde_json::json!({
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": {"name": "e", "namespace": "a", "labels": {"kubernetes.io/service-name": "s"}},
         "addressType": "IPv4", "endpoints": null, "ports": null
-    }))
-    .unwrap();
-    let Some(Object::EndpointSlice(e)) = decode_value(v).unwrap() else {
+    });
+    let Some(Object::EndpointSlice(e)) = decode_json_value(&v).unwrap() else {
         panic!("not a slice")
     };
     assert_eq!(e.service_name(), Some("s"));
     assert!(e.endpoints.is_empty());
+    let Some(Object::EndpointSlice(e2)) = decode_json(v.to_string().as_bytes()).unwrap() else {
+        panic!("not a slice")
+    };
+    assert_eq!(e, e2);
+}
+
+#[test]
+fn json_errors_name_the_object_and_the_field() {
+    let bad_port = br#"{"apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "s", "namespace": "a"},
+        "spec": {"ports": [{"port": "http"}]}}"#;
+    let f = decode_json(bad_port).unwrap_err();
+    assert_eq!(f.key, Some(ObjectKey::new(Kind::Service, "a", "s")));
+    let msg = f.error.to_string();
+    assert!(msg.contains("spec.ports[0].port: invalid type"), "{msg}");
+    assert!(msg.contains("line 3"), "JSON errors carry the line: {msg}");
+    let v: serde_json::Value = serde_json::from_slice(bad_port).unwrap();
+    let f = decode_json_value(&v).unwrap_err();
+    assert!(
+        f.error.to_string().contains("spec.ports[0].port"),
+        "{}",
+        f.error
+    );
+
+    let f =
+        decode_json(br#"{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "#).unwrap_err();
+    assert!(
+        matches!(f.error, DecodeError::JsonSyntax(_)),
+        "{:?}",
+        f.error
+    );
+    assert!(
+        f.error.to_string().contains("JSON syntax error"),
+        "{}",
+        f.error
+    );
+    let f = decode_json(b"[1, 2]").unwrap_err();
+    assert!(
+        matches!(f.error, DecodeError::NotAnObject("a list")),
+        "{:?}",
+        f.error
+    );
+    assert_eq!(decode_json(b"null").unwrap(), None);
 }
