@@ -9,7 +9,9 @@
 //!   splitter, and [`ConfigDir`], the stateful reader that re-parses only
 //!   changed files, keeps the last good version of rejected documents and
 //!   turns a directory into [`Change`]s plus per-file [`ConfigError`]s;
-//! * [`enroll`]: the ambient enrollment rule.
+//! * [`enroll`]: the ambient enrollment rule;
+//! * [`limits`]: the bounds on file size, document size, nesting and alias
+//!   expansion that keep a hostile file from stalling a reader.
 //!
 //! This crate depends on no main crate and on no async runtime: callers wrap
 //! [`ConfigDir`] in whatever watching they need (inotify in the control
@@ -22,6 +24,7 @@ pub mod decode;
 pub mod dir;
 pub mod enroll;
 mod istio;
+pub mod limits;
 pub mod objects;
 
 pub use change::{Change, ConfigError};

@@ -21,6 +21,7 @@ use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use tracing::debug;
 
+use crate::limits::MAX_DOCUMENT_BYTES;
 use crate::objects::{Kind, Object, ObjectKey};
 
 mod head;
@@ -39,6 +40,10 @@ pub enum DecodeError {
     Syntax(String),
     #[error("JSON syntax error: {0}; send one complete JSON object")]
     JsonSyntax(String),
+    #[error(
+        "rejected before parsing further: {0}; no Kubernetes object needs that — check how the file was written or generated"
+    )]
+    Limit(String),
     #[error(
         "the document is not a mapping (found {0}); each document must be one Kubernetes object with apiVersion, kind and metadata"
     )]
@@ -102,24 +107,38 @@ pub fn decode_yaml_document(
     text: &str,
     line_offset: usize,
 ) -> Result<Option<Object>, Box<DecodeFailure>> {
+    let reject = |error| {
+        let (kind, namespace, name) = scan_identity(prefix(text, 64 * 1024));
+        Box::new(DecodeFailure {
+            key: None,
+            kind,
+            namespace,
+            name,
+            error,
+        })
+    };
+    if text.len() > MAX_DOCUMENT_BYTES {
+        return Err(reject(DecodeError::Limit(too_large(text.len()))));
+    }
     let head: Head = match yaml::from_yaml(text, line_offset) {
         Ok(h) => h,
-        Err(e) => {
-            let (kind, namespace, name) = scan_identity(text);
-            return Err(Box::new(DecodeFailure {
-                key: None,
-                kind,
-                namespace,
-                name,
-                error: DecodeError::Syntax(e.message),
-            }));
-        }
+        Err(e) if e.limit => return Err(reject(DecodeError::Limit(e.message))),
+        Err(e) => return Err(reject(DecodeError::Syntax(e.message))),
     };
     decode_with(head, &YamlText { text, line_offset })
 }
 
 /// Decodes one object from JSON bytes (as the API server sends them).
 pub fn decode_json(bytes: &[u8]) -> Result<Option<Object>, Box<DecodeFailure>> {
+    if bytes.len() > MAX_DOCUMENT_BYTES {
+        return Err(fail(
+            None,
+            "",
+            "",
+            "",
+            DecodeError::Limit(too_large(bytes.len())),
+        ));
+    }
     let head: Head = serde_json::from_slice(bytes)
         .map_err(|e| fail(None, "", "", "", DecodeError::JsonSyntax(e.to_string())))?;
     decode_with(head, &JsonBytes(bytes))
@@ -130,6 +149,21 @@ pub fn decode_json_value(value: &serde_json::Value) -> Result<Option<Object>, Bo
     let head = Head::deserialize(value)
         .map_err(|e| fail(None, "", "", "", DecodeError::Invalid(e.to_string())))?;
     decode_with(head, &JsonValue(value))
+}
+
+fn too_large(len: usize) -> String {
+    format!(
+        "the document is {len} bytes, more than the limit of {MAX_DOCUMENT_BYTES} bytes (the document-size limit)"
+    )
+}
+
+/// At most the first `max` bytes of `text`, cut at a character boundary.
+fn prefix(text: &str, max: usize) -> &str {
+    let mut end = text.len().min(max);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
 }
 
 /// A document in some format, deserializable into any kind's struct; the

@@ -295,3 +295,115 @@ fn json_errors_name_the_object_and_the_field() {
     );
     assert_eq!(decode_json(b"null").unwrap(), None);
 }
+
+/// Decodes `yaml`, expects a rejection naming a limit, quickly.
+fn rejected_by_limit(yaml: &str, limit: &str) {
+    let started = std::time::Instant::now();
+    let f = decode(yaml).expect_err("must be rejected");
+    let took = started.elapsed();
+    let msg = f.error.to_string();
+    assert!(
+        took < std::time::Duration::from_secs(1),
+        "took {took:?} to reject ({msg})"
+    );
+    assert!(matches!(f.error, DecodeError::Limit(_)), "{msg}");
+    assert!(msg.contains(limit), "{msg:?} does not name {limit:?}");
+    assert!(!msg.contains("indentation"), "not a syntax hint: {msg}");
+}
+
+#[test]
+fn deep_nesting_is_rejected_quickly_naming_the_limit() {
+    let n = 100_000;
+    // 500 KB of flow mappings nested 100,000 deep (took ~60 s to reject).
+    let flow = format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{name: p}}\nspec: {}x{}\n",
+        "{a: ".repeat(n),
+        "}".repeat(n)
+    );
+    rejected_by_limit(&flow, "deeper than 64 levels (the nesting-depth limit)");
+    rejected_by_limit(&format!("{}x\n", "[".repeat(n)), "nesting-depth limit");
+    rejected_by_limit(&format!("{}x\n", "- ".repeat(n)), "nesting-depth limit");
+    let block: String = (0..150)
+        .map(|i| format!("{}k{i}:\n", "  ".repeat(i)))
+        .collect();
+    rejected_by_limit(&block, "nesting-depth limit");
+    // 64 levels are fine, and fit the default stack of a Rust or tokio
+    // blocking thread (2 MiB, where readers run) even in a debug build, in
+    // YAML and in JSON (serde_json stops at 128 levels by itself).
+    let ok: String = (0..63)
+        .map(|i| format!("{}k{i}:\n", " ".repeat(i)))
+        .collect();
+    let flow_ok = format!("{}x{}", "{a: ".repeat(61), "}".repeat(61));
+    let json_ok = format!("{}1{}", "{\"a\": ".repeat(127), "}".repeat(127));
+    let deep_ok = std::thread::Builder::new()
+        .stack_size(2 << 20)
+        .spawn(move || {
+            let yaml = |body: &str| {
+                decode(&format!("apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: c}}\ndata:\n{body}"))
+                    .map_err(|f| f.error.to_string())
+            };
+            let pod = format!("apiVersion: v1\nkind: Pod\nmetadata: {{name: p}}\nspec: {{x: {flow_ok}}}\n");
+            (
+                yaml(&ok),
+                decode(&pod).map(|o| o.is_some()).map_err(|f| f.error.to_string()),
+                decode_json(format!("{{\"apiVersion\": \"v1\", \"kind\": \"Pod\", \"metadata\": {{\"name\": \"p\"}}, \"spec\": {json_ok}}}").as_bytes())
+                    .map(|o| o.is_some())
+                    .map_err(|f| f.error.to_string()),
+            )
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    assert_eq!(deep_ok, (Ok(None), Ok(true), Ok(true)));
+}
+
+#[test]
+fn alias_bombs_are_rejected_quickly_naming_the_limit() {
+    let mut bomb = String::from(
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: p}\nx0: &x0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n",
+    );
+    for i in 1..10 {
+        let p = i - 1;
+        bomb += &format!(
+            "x{i}: &x{i} [*x{p}, *x{p}, *x{p}, *x{p}, *x{p}, *x{p}, *x{p}, *x{p}, *x{p}]\n"
+        );
+    }
+    rejected_by_limit(&bomb, "(the alias-expansion limit; a YAML alias bomb?)");
+    let many: String = std::iter::once(
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: p}\nv: &v 1\nl:\n".to_string(),
+    )
+    .chain((0..1_500).map(|_| "- *v\n".to_string()))
+    .collect();
+    rejected_by_limit(&many, "more than 1000 aliases (the alias limit)");
+    // Ordinary anchors still work.
+    let ok = "apiVersion: v1\nkind: Pod\nmetadata: {name: p, namespace: a, labels: &l {app: web}, annotations: *l}\n";
+    let Some(Object::Pod(p)) = decode(ok).unwrap() else {
+        panic!("not a pod")
+    };
+    assert_eq!(p.metadata.annotations["app"], "web");
+}
+
+#[test]
+fn oversized_documents_are_rejected_before_parsing() {
+    let big = format!(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: p\n{}",
+        "# padding padding padding padding padding padding padding\n".repeat(40_000)
+    );
+    rejected_by_limit(
+        &big,
+        "more than the limit of 2097152 bytes (the document-size limit)",
+    );
+    let f = decode(&big).unwrap_err();
+    assert_eq!(
+        (f.kind.as_str(), f.name.as_str()),
+        ("Pod", "p"),
+        "still named"
+    );
+    let json = format!("{{\"pad\": \"{}\"}}", "x".repeat(3 << 20));
+    let f = decode_json(json.as_bytes()).unwrap_err();
+    assert!(
+        f.error.to_string().contains("document-size limit"),
+        "{}",
+        f.error
+    );
+}

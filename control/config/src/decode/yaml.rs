@@ -13,7 +13,14 @@
 use std::borrow::Cow;
 
 use serde::de::DeserializeOwned;
-use serde_saphyr::{DefaultMessageFormatter, Error, MessageFormatter, Options};
+use serde_saphyr::budget::BudgetBreach;
+use serde_saphyr::granit_parser::ErrorKind;
+use serde_saphyr::options::AliasLimits;
+use serde_saphyr::{
+    Budget, DefaultMessageFormatter, Error, ExternalMessageSource, MessageFormatter, Options,
+};
+
+use crate::limits::{MAX_ALIAS_EVENTS, MAX_ALIASES, MAX_DEPTH, MAX_NODES};
 
 /// A YAML failure: the field path (when the failure is about a value), the
 /// message with its file line, and whether a parse limit was hit.
@@ -21,6 +28,8 @@ use serde_saphyr::{DefaultMessageFormatter, Error, MessageFormatter, Options};
 pub(super) struct YamlError {
     pub path: Option<String>,
     pub message: String,
+    /// A parse limit ([`crate::limits`]) was hit; `message` names it.
+    pub limit: bool,
 }
 
 /// The parser options every document is read with.
@@ -31,6 +40,17 @@ fn options() -> Options {
     // YAML 1.2 booleans (`true`/`false` only), as serde_yaml read them: a
     // namespace called `n` or `no` stays a string.
     o.strict_booleans = true;
+    let mut budget = Budget::default();
+    budget.max_depth = MAX_DEPTH;
+    // Flow collections (`{a: {a: ...`) are counted by the scanner, which
+    // looks ahead of the depth budget; one more level and both agree.
+    budget.flow_nesting_limit = MAX_DEPTH + 1;
+    budget.max_nodes = MAX_NODES;
+    budget.max_aliases = MAX_ALIASES;
+    o.budget = Some(budget);
+    let mut aliases = AliasLimits::default();
+    aliases.max_total_replayed_events = MAX_ALIAS_EVENTS;
+    o.alias_limits = aliases;
     o
 }
 
@@ -49,9 +69,17 @@ pub(super) fn from_yaml<T: DeserializeOwned>(
             e.into_inner()
         })
     })
-    .map_err(|e| YamlError {
-        path,
-        message: describe(&e, line_offset),
+    .map_err(|e| match limit_hit(&e) {
+        Some(limit) => YamlError {
+            path: None,
+            message: at(limit, &e, line_offset),
+            limit: true,
+        },
+        None => YamlError {
+            path,
+            message: describe(&e, line_offset),
+            limit: false,
+        },
     })
 }
 
@@ -64,15 +92,53 @@ fn original(e: &Error) -> &Error {
     e
 }
 
+/// Which limit of [`crate::limits`] `e` reports, in words, if any.
+fn limit_hit(e: &Error) -> Option<String> {
+    let depth = || {
+        format!("mappings and lists nest deeper than {MAX_DEPTH} levels (the nesting-depth limit)")
+    };
+    let aliases = || {
+        format!(
+            "aliases expand to more than {MAX_ALIAS_EVENTS} parser events (the alias-expansion limit; a YAML alias bomb?)"
+        )
+    };
+    Some(match original(e) {
+        Error::Budget { breach, .. } => match breach {
+            BudgetBreach::Depth { .. } => depth(),
+            BudgetBreach::Nodes { .. } => format!(
+                "the document has more than {MAX_NODES} nodes, alias copies included (the node limit)"
+            ),
+            BudgetBreach::Aliases { .. } => {
+                format!("the document uses more than {MAX_ALIASES} aliases (the alias limit)")
+            }
+            BudgetBreach::AliasAnchorRatio { aliases, anchors } => format!(
+                "the document uses {aliases} aliases for {anchors} anchors (the alias-to-anchor ratio limit; a YAML alias bomb?)"
+            ),
+            other => format!("a parser budget was exceeded ({other:?})"),
+        },
+        Error::AliasReplayLimitExceeded { .. }
+        | Error::AliasExpansionLimitExceeded { .. }
+        | Error::AliasReplayStackDepthExceeded { .. } => aliases(),
+        Error::ExternalMessage { source, .. } if matches!(&**source, ExternalMessageSource::Parser(se) if *se.kind() == ErrorKind::RecursionLimitExceeded) => {
+            depth()
+        }
+        _ => return None,
+    })
+}
+
 /// `<what> at line <file line> column <column>`.
 fn describe(e: &Error, line_offset: usize) -> String {
     let what: Cow<'_, str> = DefaultMessageFormatter.format_message(original(e));
+    at(what.into_owned(), e, line_offset)
+}
+
+fn at(what: String, e: &Error, line_offset: usize) -> String {
     match e.location() {
         Some(loc) if loc.line() > 0 => format!(
             "{what} at line {} column {}",
             loc.line() as usize + line_offset,
             loc.column()
         ),
-        _ => what.into_owned(),
+        _ => what,
     }
 }

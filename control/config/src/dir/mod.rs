@@ -19,13 +19,14 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{Hash, Hasher};
-use std::io;
+use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tracing::{info, warn};
 
 use crate::change::{Change, ConfigError};
+use crate::limits::MAX_FILE_BYTES;
 use crate::objects::{Object, ObjectKey};
 
 mod documents;
@@ -194,8 +195,20 @@ impl ConfigDir {
         let mut errors = Vec::new();
         for path in paths {
             let shown = path.display().to_string();
-            let bytes = match std::fs::read(&path) {
-                Ok(b) => b,
+            let bytes = match read_bounded(&path) {
+                Ok(Some(b)) => b,
+                Ok(None) => {
+                    let err = whole_file_error(
+                        &path,
+                        format!(
+                            "the file is larger than {MAX_FILE_BYTES} bytes (the file-size limit), so it is not read; split it into smaller files — the objects it defined before keep serving"
+                        ),
+                    );
+                    warn!("{err}");
+                    errors.push((shown, vec![err]));
+                    self.mark_unread(path);
+                    continue;
+                }
                 Err(e)
                     if matches!(
                         e.kind(),
@@ -221,15 +234,7 @@ impl ConfigDir {
                     );
                     warn!("{err}");
                     errors.push((shown, vec![err]));
-                    // Force a re-parse once it is readable again, even if
-                    // the content is unchanged, so this error is cleared.
-                    self.files
-                        .entry(path)
-                        .or_insert_with(|| FileState {
-                            hash: UNREAD,
-                            served: BTreeMap::new(),
-                        })
-                        .hash = UNREAD;
+                    self.mark_unread(path);
                     continue;
                 }
             };
@@ -287,6 +292,18 @@ impl ConfigDir {
         }
     }
 
+    /// Keeps what `path` served but forces a re-parse once it is readable
+    /// again, even if its content is unchanged, so its error is cleared.
+    fn mark_unread(&mut self, path: PathBuf) {
+        self.files
+            .entry(path)
+            .or_insert_with(|| FileState {
+                hash: UNREAD,
+                served: BTreeMap::new(),
+            })
+            .hash = UNREAD;
+    }
+
     fn unclaim(&mut self, k: &ObjectKey, path: &Path) {
         if let Some(set) = self.claims.get_mut(k) {
             set.remove(path);
@@ -326,6 +343,21 @@ impl ConfigDir {
         }
         changes
     }
+}
+
+/// The file's bytes, or `None` when it is larger than [`MAX_FILE_BYTES`]
+/// (checked before reading, and while reading in case it grows).
+fn read_bounded(path: &Path) -> io::Result<Option<Vec<u8>>> {
+    let file = std::fs::File::open(path)?;
+    if file.metadata()?.is_dir() {
+        return Err(io::Error::new(io::ErrorKind::IsADirectory, "a directory"));
+    }
+    if file.metadata()?.len() > MAX_FILE_BYTES {
+        return Ok(None);
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes)?;
+    Ok((bytes.len() as u64 <= MAX_FILE_BYTES).then_some(bytes))
 }
 
 /// The objects a file serves after a re-parse: the accepted ones, plus the

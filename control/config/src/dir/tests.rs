@@ -249,3 +249,25 @@ fn unreadable_and_non_utf8_files_keep_their_objects() {
             .contains("not valid UTF-8")
     );
 }
+
+#[test]
+fn oversized_files_are_not_read_and_keep_their_objects() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a.yaml");
+    std::fs::write(&a, pod("p1", "10.0.0.1")).unwrap();
+    let mut reader = ConfigDir::new(dir.path());
+    assert_eq!(summary(&reader.rescan()), vec!["+Pod/a/p1"]);
+    // A sparse 17 MiB file: rejected from its size, without reading it.
+    let f = std::fs::File::options().write(true).open(&a).unwrap();
+    f.set_len(crate::limits::MAX_FILE_BYTES + 1).unwrap();
+    let started = std::time::Instant::now();
+    let u = reader.reread([&a]);
+    assert!(started.elapsed() < std::time::Duration::from_secs(1));
+    assert!(u.changes.is_empty(), "{:?}", summary(&u));
+    let reason = &errors_for(&u, &a).unwrap()[0].reason;
+    assert!(reason.contains("(the file-size limit)"), "{reason}");
+    assert!(reason.contains("16777216 bytes"), "{reason}");
+    // Fixed: read again.
+    std::fs::write(&a, pod("p1", "10.0.0.2")).unwrap();
+    assert_eq!(summary(&reader.reread([&a])), vec!["+Pod/a/p1"]);
+}
