@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::mpsc;
@@ -251,4 +252,39 @@ async fn initial_errors_are_sent_and_objects_reach_the_model() {
             .any(|e| e.reason.contains("not valid UTF-8"))
     );
     let _ = Kind::Pod;
+}
+
+/// A new file redefining a served pod with another IP does not replace it;
+/// the conflict is a config error (served under `/debug/config_errors`)
+/// naming both files.
+#[tokio::test]
+async fn duplicate_in_a_new_file_is_an_error_and_does_not_replace() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = std::path::absolute(dir.path()).unwrap();
+    let pods = root.join("pods.yaml");
+    std::fs::write(&pods, pod("p1", "10.0.0.1")).unwrap();
+    let (model, mut snaps) = crate::model::spawn_model(crate::model::ModelOptions::default());
+    let _source = spawn_file_source(root.clone(), model).await.unwrap();
+    timeout(Duration::from_secs(5), snaps.wait_for(|s| s.synced))
+        .await
+        .unwrap()
+        .unwrap();
+    let before = snaps.borrow().addresses.by_name["Kubernetes//Pod/a/p1"].clone();
+    write(&root.join("dup.yaml"), &pod("p1", "10.0.0.9"));
+    let s = timeout(
+        Duration::from_secs(5),
+        snaps.wait_for(|s| !s.errors.is_empty()),
+    )
+    .await
+    .unwrap()
+    .unwrap()
+    .clone();
+    assert_eq!(s.errors.len(), 1, "{:?}", s.errors);
+    let e = &s.errors[0];
+    assert!(e.file.ends_with("dup.yaml"), "{e}");
+    assert!(e.reason.contains(&pods.display().to_string()), "{e}");
+    assert!(
+        Arc::ptr_eq(&s.addresses.by_name["Kubernetes//Pod/a/p1"], &before),
+        "pods.yaml's p1 keeps serving"
+    );
 }

@@ -14,8 +14,10 @@
 //! with the changes (replacing its previous errors) and are logged; they
 //! clear when the file is fixed or deleted.
 //!
-//! When two files define the same object, the one whose path sorts first
-//! wins and a warning is logged.
+//! When two files define the same object, the definition that was serving
+//! first keeps serving (on the first load: the file whose path sorts first);
+//! the other file gets a [`ConfigError`] naming both files, and takes over
+//! when the first one drops the object.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{Hash, Hasher};
@@ -58,11 +60,24 @@ impl DirUpdate {
     }
 }
 
+/// An object a file serves, with where its document is.
+#[derive(Debug, Clone)]
+struct Served {
+    object: Arc<Object>,
+    document: usize,
+    line: usize,
+}
+
 /// One file's last processed content and the objects it currently serves.
 #[derive(Debug)]
 struct FileState {
     hash: u64,
-    served: BTreeMap<ObjectKey, Arc<Object>>,
+    served: BTreeMap<ObjectKey, Served>,
+    /// Errors of the last parse (or read).
+    parse_errors: Vec<ConfigError>,
+    /// The error list last returned for this file (parse errors plus
+    /// duplicates of objects another file serves).
+    reported: Vec<ConfigError>,
 }
 
 /// The stateful reader of one config directory; see the module docs.
@@ -70,8 +85,9 @@ struct FileState {
 pub struct ConfigDir {
     root: PathBuf,
     files: BTreeMap<PathBuf, FileState>,
-    /// Files currently defining each object.
-    claims: HashMap<ObjectKey, BTreeSet<PathBuf>>,
+    /// Files currently defining each object, in the order they started to:
+    /// the first one serves it.
+    claims: HashMap<ObjectKey, Vec<PathBuf>>,
     /// What the reader's consumer currently has.
     sent: HashMap<ObjectKey, Arc<Object>>,
 }
@@ -118,6 +134,14 @@ impl ConfigDir {
     /// The objects served now (what the returned changes have built up).
     pub fn objects(&self) -> impl Iterator<Item = &Object> {
         self.sent.values().map(|o| o.as_ref())
+    }
+
+    /// The error list of every tracked file that has errors now.
+    pub fn errors(&self) -> impl Iterator<Item = (&Path, &[ConfigError])> {
+        self.files
+            .iter()
+            .filter(|(_, f)| !f.reported.is_empty())
+            .map(|(p, f)| (p.as_path(), f.reported.as_slice()))
     }
 
     /// Re-reads every config file (the first load, or after lost events).
@@ -192,9 +216,9 @@ impl ConfigDir {
     /// Re-reads `paths` and returns the changes and error scopes.
     pub fn read(&mut self, paths: BTreeSet<PathBuf>) -> DirUpdate {
         let mut touched: BTreeSet<ObjectKey> = BTreeSet::new();
-        let mut errors = Vec::new();
+        let mut reread: BTreeSet<PathBuf> = BTreeSet::new();
+        let mut removed = Vec::new();
         for path in paths {
-            let shown = path.display().to_string();
             let bytes = match read_bounded(&path) {
                 Ok(Some(b)) => b,
                 Ok(None) => {
@@ -204,9 +228,8 @@ impl ConfigDir {
                             "the file is larger than {MAX_FILE_BYTES} bytes (the file-size limit), so it is not read; split it into smaller files — the objects it defined before keep serving"
                         ),
                     );
-                    warn!("{err}");
-                    errors.push((shown, vec![err]));
-                    self.mark_unread(path);
+                    self.mark_unread(&path, err);
+                    reread.insert(path);
                     continue;
                 }
                 Err(e)
@@ -216,12 +239,12 @@ impl ConfigDir {
                     ) =>
                 {
                     if let Some(old) = self.files.remove(&path) {
-                        info!(file = %shown, objects = old.served.len(), "config file removed");
+                        info!(file = %path.display(), objects = old.served.len(), "config file removed");
                         for k in old.served.into_keys() {
                             self.unclaim(&k, &path);
                             touched.insert(k);
                         }
-                        errors.push((shown, Vec::new()));
+                        removed.push(path);
                     }
                     continue;
                 }
@@ -232,9 +255,8 @@ impl ConfigDir {
                             "cannot read the file: {e}; fix its permissions — the objects it defined before keep serving"
                         ),
                     );
-                    warn!("{err}");
-                    errors.push((shown, vec![err]));
-                    self.mark_unread(path);
+                    self.mark_unread(&path, err);
+                    reread.insert(path);
                     continue;
                 }
             };
@@ -242,17 +264,16 @@ impl ConfigDir {
             if self.files.get(&path).is_some_and(|f| f.hash == hash) {
                 continue;
             }
-            let old = self
+            let (old, reported) = self
                 .files
                 .remove(&path)
-                .map(|f| f.served)
+                .map(|f| (f.served, f.reported))
                 .unwrap_or_default();
             let (served, errs) = match std::str::from_utf8(&bytes) {
                 Ok(text) => {
                     let parsed = parse_file(&path, text);
-                    let objects = parsed.objects.into_iter().map(|(o, _, _)| o).collect();
                     (
-                        merge_served(&old, objects, &parsed.rejected, parsed.unidentified),
+                        merge_served(&old, parsed.objects, &parsed.rejected, parsed.unidentified),
                         parsed.errors,
                     )
                 }
@@ -277,36 +298,113 @@ impl ConfigDir {
                 touched.insert(k.clone());
             }
             for k in served.keys() {
-                self.claims
-                    .entry(k.clone())
-                    .or_default()
-                    .insert(path.clone());
+                let claims = self.claims.entry(k.clone()).or_default();
+                if !claims.contains(&path) {
+                    claims.push(path.clone());
+                }
                 touched.insert(k.clone());
             }
-            self.files.insert(path, FileState { hash, served });
-            errors.push((shown, errs));
+            self.files.insert(
+                path.clone(),
+                FileState {
+                    hash,
+                    served,
+                    parse_errors: errs,
+                    reported,
+                },
+            );
+            reread.insert(path);
         }
-        DirUpdate {
-            changes: self.reconcile(touched),
-            errors,
-        }
+        let changes = self.reconcile(&touched);
+        let mut errors: Vec<(String, Vec<ConfigError>)> = removed
+            .iter()
+            .map(|p| (p.display().to_string(), Vec::new()))
+            .collect();
+        errors.extend(self.error_scopes(&touched, reread));
+        DirUpdate { changes, errors }
     }
 
-    /// Keeps what `path` served but forces a re-parse once it is readable
-    /// again, even if its content is unchanged, so its error is cleared.
-    fn mark_unread(&mut self, path: PathBuf) {
-        self.files
-            .entry(path)
+    /// The error lists to return: every re-read file's, plus those of the
+    /// other files that define a touched object whose list changed (a
+    /// duplicate that took over, or started or stopped being one).
+    fn error_scopes(
+        &mut self,
+        touched: &BTreeSet<ObjectKey>,
+        mut affected: BTreeSet<PathBuf>,
+    ) -> Vec<(String, Vec<ConfigError>)> {
+        let always = affected.clone();
+        for k in touched {
+            if let Some(files) = self.claims.get(k) {
+                affected.extend(files.iter().cloned());
+            }
+        }
+        let mut out = Vec::new();
+        for path in affected {
+            let Some(state) = self.files.get(&path) else {
+                continue;
+            };
+            let mut errs = state.parse_errors.clone();
+            for (k, mine) in &state.served {
+                let Some(owner) = self.claims.get(k).and_then(|c| c.first()) else {
+                    continue;
+                };
+                if *owner == path {
+                    continue;
+                }
+                let (d, l) = self
+                    .files
+                    .get(owner)
+                    .and_then(|f| f.served.get(k))
+                    .map_or((0, 0), |s| (s.document, s.line));
+                errs.push(ConfigError {
+                    file: path.display().to_string(),
+                    document: mine.document,
+                    line: mine.line,
+                    kind: k.kind.to_string(),
+                    namespace: k.namespace.clone(),
+                    name: k.name.clone(),
+                    reason: format!(
+                        "{k} is also defined in {} (document {d}, line {l}), which defined it first and keeps serving it; this definition is ignored until that one is removed — remove one of the two",
+                        owner.display()
+                    ),
+                });
+            }
+            if always.contains(&path) || state.reported != errs {
+                for e in errs.iter().skip(state.parse_errors.len()) {
+                    if !state.reported.contains(e) {
+                        warn!("duplicate object: {e}");
+                    }
+                }
+                if let Some(state) = self.files.get_mut(&path) {
+                    state.reported.clone_from(&errs);
+                }
+                out.push((path.display().to_string(), errs));
+            }
+        }
+        out
+    }
+
+    /// Keeps what `path` served, records `err` as its error and forces a
+    /// re-parse once it is readable again, even if its content is
+    /// unchanged, so the error is cleared.
+    fn mark_unread(&mut self, path: &Path, err: ConfigError) {
+        warn!("{err}");
+        let state = self
+            .files
+            .entry(path.to_path_buf())
             .or_insert_with(|| FileState {
                 hash: UNREAD,
                 served: BTreeMap::new(),
-            })
-            .hash = UNREAD;
+                parse_errors: Vec::new(),
+                reported: Vec::new(),
+            });
+        state.hash = UNREAD;
+        state.parse_errors = vec![err];
     }
 
     fn unclaim(&mut self, k: &ObjectKey, path: &Path) {
         if let Some(set) = self.claims.get_mut(k) {
-            set.remove(path);
+            set.retain(|p| p != path);
             if set.is_empty() {
                 self.claims.remove(k);
             }
@@ -315,19 +413,17 @@ impl ConfigDir {
 
     /// Compares the effective version of each touched object with what the
     /// consumer has and emits the difference.
-    fn reconcile(&mut self, touched: BTreeSet<ObjectKey>) -> Vec<Change> {
+    fn reconcile(&mut self, touched: &BTreeSet<ObjectKey>) -> Vec<Change> {
         let mut changes = Vec::new();
         for k in touched {
-            let owners = self.claims.get(&k);
-            if let Some(set) = owners.filter(|s| s.len() > 1) {
-                let files: Vec<String> = set.iter().map(|p| p.display().to_string()).collect();
-                warn!(object = %k, files = ?files, "object defined in more than one file; the first file wins — remove the duplicates");
-            }
-            let effective = owners
+            let effective = self
+                .claims
+                .get(k)
                 .and_then(|s| s.first())
                 .and_then(|p| self.files.get(p))
-                .and_then(|f| f.served.get(&k))
-                .cloned();
+                .and_then(|f| f.served.get(k))
+                .map(|s| s.object.clone());
+            let k = k.clone();
             match (effective, self.sent.get(&k)) {
                 (Some(new), Some(old)) if Arc::ptr_eq(&new, old) || *new == **old => {}
                 (Some(new), _) => {
@@ -363,20 +459,27 @@ fn read_bounded(path: &Path) -> io::Result<Option<Vec<u8>>> {
 /// The objects a file serves after a re-parse: the accepted ones, plus the
 /// last good version of every rejected-but-identified object, plus — when
 /// some document could not even be identified — everything it had.
-pub(crate) fn merge_served(
-    old: &BTreeMap<ObjectKey, Arc<Object>>,
-    objects: Vec<Object>,
+fn merge_served(
+    old: &BTreeMap<ObjectKey, Served>,
+    objects: Vec<(Object, usize, usize)>,
     rejected: &[ObjectKey],
     unidentified: bool,
-) -> BTreeMap<ObjectKey, Arc<Object>> {
-    let mut served: BTreeMap<ObjectKey, Arc<Object>> = BTreeMap::new();
-    for o in objects {
+) -> BTreeMap<ObjectKey, Served> {
+    let mut served: BTreeMap<ObjectKey, Served> = BTreeMap::new();
+    for (o, document, line) in objects {
         let k = o.key();
-        let arc = match old.get(&k) {
-            Some(prev) if **prev == o => prev.clone(),
+        let object = match old.get(&k) {
+            Some(prev) if *prev.object == o => prev.object.clone(),
             _ => Arc::new(o),
         };
-        served.insert(k, arc);
+        served.insert(
+            k,
+            Served {
+                object,
+                document,
+                line,
+            },
+        );
     }
     for k in rejected {
         if let Some(prev) = old.get(k) {

@@ -271,3 +271,61 @@ fn oversized_files_are_not_read_and_keep_their_objects() {
     std::fs::write(&a, pod("p1", "10.0.0.2")).unwrap();
     assert_eq!(summary(&reader.reread([&a])), vec!["+Pod/a/p1"]);
 }
+
+/// A new file redefining a served object does not replace it: the first
+/// definition keeps serving, the duplicate is an error naming both files,
+/// and it takes over when the first file drops the object.
+#[test]
+fn first_serving_definition_wins_over_later_duplicates() {
+    let dir = tempfile::tempdir().unwrap();
+    let (pods, dup) = (dir.path().join("pods.yaml"), dir.path().join("dup.yaml"));
+    std::fs::write(&pods, pod("p1", "10.0.0.1")).unwrap();
+    let mut reader = ConfigDir::new(dir.path());
+    assert_eq!(summary(&reader.rescan()), vec!["+Pod/a/p1"]);
+
+    // dup.yaml sorts first, but pods.yaml was serving.
+    std::fs::write(&dup, format!("# copy\n{}", pod("p1", "10.0.0.9"))).unwrap();
+    let u = reader.reread([&dup]);
+    assert!(u.changes.is_empty(), "{:?}", summary(&u));
+    let errs = errors_for(&u, &dup).expect("dup.yaml's errors");
+    assert_eq!(errs.len(), 1, "{errs:#?}");
+    let e = &errs[0];
+    assert_eq!(
+        (e.file.as_str(), e.line, e.kind.as_str(), e.name.as_str()),
+        (dup.display().to_string().as_str(), 2, "Pod", "p1")
+    );
+    assert!(
+        e.reason.contains(&pods.display().to_string()),
+        "{}",
+        e.reason
+    );
+    assert!(e.reason.contains("keeps serving"), "{}", e.reason);
+    assert_eq!(reader.errors().count(), 1);
+
+    // Re-reading pods.yaml unchanged or with other edits keeps its place.
+    std::fs::write(
+        &pods,
+        format!("{}---\n{}", pod("p1", "10.0.0.1"), pod("p2", "10.0.0.2")),
+    )
+    .unwrap();
+    assert_eq!(summary(&reader.reread([&pods])), vec!["+Pod/a/p2"]);
+
+    // pods.yaml drops p1: dup.yaml's definition takes over, its error clears.
+    std::fs::write(&pods, pod("p2", "10.0.0.2")).unwrap();
+    let u = reader.reread([&pods]);
+    assert_eq!(summary(&u), vec!["+Pod/a/p1"]);
+    assert_eq!(ip_of(&u, "p1").as_deref(), Some("10.0.0.9"));
+    assert_eq!(errors_for(&u, &dup), Some(&vec![]), "{:?}", u.errors);
+    assert_eq!(reader.errors().count(), 0);
+
+    // On a first load the path order decides.
+    std::fs::write(&pods, pod("p1", "10.0.0.1")).unwrap();
+    let mut fresh = ConfigDir::new(dir.path());
+    let u = fresh.rescan();
+    assert_eq!(
+        ip_of(&u, "p1").as_deref(),
+        Some("10.0.0.9"),
+        "dup.yaml sorts first"
+    );
+    assert_eq!(errors_for(&u, &pods).map(Vec::len), Some(1));
+}
