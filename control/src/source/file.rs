@@ -5,17 +5,25 @@
 //! agent reads the same directory with the same reader. This module is the
 //! async wrapper: it loads the directory on a blocking thread and sends the
 //! result as one update with `initial_sync_done: true`; afterwards inotify
-//! events (debounced ~30 ms) make it re-read the affected files there, and
-//! each non-empty result becomes a [`SourceUpdate`].
+//! events make it re-read the affected files there, and each non-empty
+//! result becomes a [`SourceUpdate`].
+//!
+//! Writes settle before a file is read, so a file caught half-written (which
+//! may well be valid YAML, just missing its end) is never served: a file is
+//! read [`SETTLE`] after its last event once its writer closed it
+//! (close-write) or it was renamed into place (moved-to), [`SETTLE_OPEN`]
+//! after its last event while a writer still holds it open, and at the
+//! latest [`SETTLE_MAX`] after its first event. Writers should still write
+//! atomically (temp file + rename), see the README.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ambit_config::{ConfigDir, DirUpdate};
 
-use notify::event::{AccessKind, AccessMode};
+use notify::event::{AccessKind, AccessMode, CreateKind, ModifyKind};
 use notify::{Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -26,10 +34,14 @@ use crate::model::{ModelHandle, SourceUpdate};
 
 use super::FILE_SOURCE;
 
-/// Quiet time that ends a burst of file events.
-const DEBOUNCE: Duration = Duration::from_millis(30);
-/// A burst is processed at the latest this long after its first event.
-const DEBOUNCE_MAX: Duration = Duration::from_millis(500);
+/// Quiet time after the last event of a closed (or renamed, removed) file
+/// before it is read.
+pub const SETTLE: Duration = Duration::from_millis(150);
+/// Quiet time before reading a file whose writer has not closed it yet.
+pub const SETTLE_OPEN: Duration = Duration::from_secs(1);
+/// A file is read at the latest this long after its first event, even if
+/// writes keep coming.
+pub const SETTLE_MAX: Duration = Duration::from_secs(2);
 
 /// Errors of the file source.
 #[derive(Debug, thiserror::Error)]
@@ -152,34 +164,104 @@ pub async fn spawn_file_source(
     })
 }
 
-/// Events gathered during one debounce window.
-#[derive(Default)]
-struct Batch {
-    paths: BTreeSet<PathBuf>,
-    rescan: bool,
+/// A path with events not yet acted on.
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    first: Instant,
+    last: Instant,
+    /// No write is in progress: the last write was closed, or the path was
+    /// renamed, removed or only had its metadata changed.
+    settled: bool,
 }
 
-impl Batch {
-    fn add(&mut self, ev: notify::Result<Event>) {
-        match ev {
-            Err(e) => {
-                warn!(error = %e, "file watch error; rescanning the config directory");
-                self.rescan = true;
+impl Pending {
+    fn due(&self) -> Instant {
+        let quiet = if self.settled { SETTLE } else { SETTLE_OPEN };
+        (self.last + quiet).min(self.first + SETTLE_MAX)
+    }
+}
+
+/// Paths with pending events, and whether the whole directory needs a rescan.
+#[derive(Debug, Default)]
+struct PendingEvents {
+    paths: HashMap<PathBuf, Pending>,
+    rescan: Option<Pending>,
+}
+
+impl PendingEvents {
+    fn note(slot: &mut Option<Pending>, now: Instant, settled: bool) {
+        match slot {
+            Some(p) => {
+                p.last = now;
+                p.settled = settled;
             }
-            Ok(ev) => {
-                if let EventKind::Access(a) = ev.kind {
-                    // Our own reads produce open/close events; only a
-                    // finished write matters.
-                    if a != AccessKind::Close(AccessMode::Write) {
-                        return;
-                    }
-                }
-                if ev.need_rescan() {
-                    self.rescan = true;
-                }
-                self.paths.extend(ev.paths);
+            None => {
+                *slot = Some(Pending {
+                    first: now,
+                    last: now,
+                    settled,
+                })
             }
         }
+    }
+
+    fn add(&mut self, ev: notify::Result<Event>, now: Instant) {
+        let ev = match ev {
+            Ok(ev) => ev,
+            Err(e) => {
+                warn!(error = %e, "file watch error; rescanning the config directory");
+                Self::note(&mut self.rescan, now, true);
+                return;
+            }
+        };
+        let settled = match ev.kind {
+            // Our own reads produce open/close events; only a finished
+            // write matters.
+            EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
+            EventKind::Access(_) => return,
+            // Data written (or a new file): more may follow until close.
+            EventKind::Modify(ModifyKind::Data(_) | ModifyKind::Any)
+            | EventKind::Create(CreateKind::File | CreateKind::Any) => false,
+            // Renamed into place (moved-to), removed, metadata, directories.
+            _ => true,
+        };
+        if ev.need_rescan() {
+            Self::note(&mut self.rescan, now, true);
+        }
+        for path in ev.paths {
+            let mut slot = self.paths.get(&path).copied();
+            Self::note(&mut slot, now, settled);
+            if let Some(p) = slot {
+                self.paths.insert(path, p);
+            }
+        }
+    }
+
+    /// When the next path is due, if any is pending.
+    fn next_due(&self) -> Option<Instant> {
+        self.paths
+            .values()
+            .chain(&self.rescan)
+            .map(Pending::due)
+            .min()
+    }
+
+    /// Takes what is due at `now`: whether to rescan, and the paths.
+    fn take_due(&mut self, now: Instant) -> (bool, BTreeSet<PathBuf>) {
+        let rescan = self.rescan.is_some_and(|p| p.due() <= now);
+        if rescan {
+            self.rescan = None;
+        }
+        let due: BTreeSet<PathBuf> = self
+            .paths
+            .iter()
+            .filter(|(_, p)| p.due() <= now)
+            .map(|(path, _)| path.clone())
+            .collect();
+        for path in &due {
+            self.paths.remove(path);
+        }
+        (rescan, due)
     }
 }
 
@@ -198,25 +280,28 @@ async fn watch_loop(
     mut events: mpsc::UnboundedReceiver<notify::Result<Event>>,
     model: ModelHandle,
 ) {
-    while let Some(first) = events.recv().await {
-        let mut batch = Batch::default();
-        batch.add(first);
-        let started = Instant::now();
-        loop {
-            let deadline = (Instant::now() + DEBOUNCE).min(started + DEBOUNCE_MAX);
-            match tokio::time::timeout_at(deadline, events.recv()).await {
-                Ok(Some(ev)) => batch.add(ev),
-                Ok(None) | Err(_) => break,
-            }
+    let mut pending = PendingEvents::default();
+    loop {
+        let next = pending.next_due();
+        tokio::select! {
+            ev = events.recv() => match ev {
+                Some(ev) => {
+                    pending.add(ev, Instant::now());
+                    continue;
+                }
+                None => return,
+            },
+            () = sleep_until_or_forever(next) => {}
         }
-        if !batch.rescan && batch.paths.is_empty() {
+        let (rescan, paths) = pending.take_due(Instant::now());
+        if !rescan && paths.is_empty() {
             continue;
         }
         let job = tokio::task::spawn_blocking(move || {
-            let update = if batch.rescan {
+            let update = if rescan {
                 reader.rescan()
             } else {
-                reader.reread(&batch.paths)
+                reader.reread(&paths)
             };
             (reader, update)
         });
@@ -241,5 +326,12 @@ async fn watch_loop(
             debug!("model stopped; file source stops watching");
             return;
         }
+    }
+}
+
+async fn sleep_until_or_forever(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }

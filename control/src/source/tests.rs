@@ -288,3 +288,32 @@ async fn duplicate_in_a_new_file_is_an_error_and_does_not_replace() {
         "pods.yaml's p1 keeps serving"
     );
 }
+
+/// A file caught between two writes is valid YAML missing its end (here the
+/// pod's IP): it must not be served. The source waits for the writer to
+/// close the file and for a quiet period.
+#[tokio::test]
+async fn a_file_being_written_is_read_once_it_settles() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let root = std::path::absolute(dir.path()).unwrap();
+    let (handle, mut rx) = ModelHandle::channel(16);
+    let _source = spawn_file_source(root.clone(), handle).await.unwrap();
+    let _init = rx.try_recv().unwrap();
+    let full = pod("p1", "10.0.0.7");
+    let (head, tail) = full.split_at(full.find("status:").unwrap());
+    let mut f = std::fs::File::create(root.join("slow.yaml")).unwrap();
+    f.write_all(head.as_bytes()).unwrap();
+    f.flush().unwrap();
+    // Longer than the old 30 ms debounce, shorter than SETTLE_OPEN.
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    f.write_all(tail.as_bytes()).unwrap();
+    drop(f);
+    let u = recv(&mut rx).await;
+    assert_eq!(summary(&u), vec!["+Pod/a/p1"]);
+    assert_eq!(
+        ip_of(&u, "p1").as_deref(),
+        Some("10.0.0.7"),
+        "the half-written version (no IP) was never sent"
+    );
+}
