@@ -19,8 +19,8 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ambit_config::parse_documents;
 use ambit_control::model::{ModelOptions, Snapshot, Store, build_snapshot};
-use ambit_control::source::file::parse_documents;
 use ambit_control::{ControlConfig, ControlPlane};
 use ambit_tests::{get, write_atomic};
 use anyhow::{Context, Result, bail};
@@ -92,7 +92,7 @@ fn write_change(dir: &Path, revision: &str) -> Result<()> {
     write_atomic(&dir.join("change.yaml"), &y)
 }
 
-fn load_objects(dir: &Path) -> Result<Vec<ambit_control::model::Object>> {
+fn load_objects(dir: &Path) -> Result<Vec<ambit_config::Object>> {
     let mut objects = Vec::new();
     for e in std::fs::read_dir(dir)? {
         let path = e?.path();

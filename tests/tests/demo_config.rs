@@ -7,8 +7,8 @@
 
 use std::collections::BTreeMap;
 
+use ambit_config::parse_documents;
 use ambit_control::model::{ModelOptions, Snapshot, Store, build_snapshot};
-use ambit_control::source::file::parse_documents;
 use ambit_tests::workspace_root;
 use ambit_ztunnel::StateSnapshot;
 use ambit_ztunnel::state::{Address, TunnelProtocol};

@@ -9,8 +9,8 @@
 use std::net::IpAddr;
 use std::path::Path;
 
+use ambit_config::parse_documents;
 use ambit_control::model::{ModelOptions, Snapshot, Store, build_snapshot};
-use ambit_control::source::file::parse_documents;
 use ambit_ztunnel::StateSnapshot;
 use ambit_ztunnel::rbac::{ConnectionAttrs, Decision, PeerIdentity, PolicyIndex};
 use ambit_ztunnel::state::{Address, Authorization};

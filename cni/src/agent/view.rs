@@ -4,15 +4,20 @@
 //! One seam, two sides: [`spawn_dir_view`] reads the control plane's config
 //! directory (local mode); a Kubernetes watch will publish the same
 //! [`MeshView`] on the same `watch` channel.
+//!
+//! The directory is read with the control plane's own reader
+//! ([`ambit_config::ConfigDir`]) and the view follows the reader's changes,
+//! so both sides agree on every object: a rejected or half-written document
+//! keeps its last good version (a broken namespaces file does not release
+//! the namespace's pods), and only files that changed are parsed again.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use ambit_control::model::objects::{Labels, Object};
-use ambit_control::model::translate::is_enrolled;
-use ambit_control::source::file::{config_files, parse_documents};
+use ambit_config::objects::{Kind, Labels, Object};
+use ambit_config::{Change, ConfigDir, config_files, is_enrolled};
 use tokio::sync::watch;
 
 /// One pod as the view knows it.
@@ -34,26 +39,41 @@ impl MeshView {
     /// Builds a view from decoded objects.
     pub fn from_objects(objects: impl IntoIterator<Item = Object>) -> Self {
         let mut view = Self::default();
-        for o in objects {
-            match o {
-                Object::Namespace(ns) => {
-                    view.namespaces
-                        .insert(ns.metadata.name.clone(), ns.metadata.labels);
+        view.apply(objects.into_iter().map(Change::Upsert));
+        view
+    }
+
+    /// Applies a config reader's changes; true when the view changed.
+    pub fn apply(&mut self, changes: impl IntoIterator<Item = Change>) -> bool {
+        let before = self.clone();
+        for c in changes {
+            match c {
+                Change::Upsert(Object::Namespace(ns)) => {
+                    self.namespaces.insert(ns.metadata.name, ns.metadata.labels);
                 }
-                Object::Pod(p) => {
+                Change::Upsert(Object::Pod(p)) => {
                     let sa = p.service_account().to_string();
-                    view.pods.insert(
-                        (p.metadata.namespace.clone(), p.metadata.name.clone()),
+                    self.pods.insert(
+                        (p.metadata.namespace, p.metadata.name),
                         PodInfo {
                             labels: p.metadata.labels,
                             service_account: sa,
                         },
                     );
                 }
-                _ => {}
+                Change::Upsert(_) => {}
+                Change::Delete(k) => match k.kind {
+                    Kind::Namespace => {
+                        self.namespaces.remove(&k.name);
+                    }
+                    Kind::Pod => {
+                        self.pods.remove(&(k.namespace, k.name));
+                    }
+                    _ => {}
+                },
             }
         }
-        view
+        *self != before
     }
 
     /// Whether pod `namespace/name` belongs in the mesh: its own
@@ -78,45 +98,94 @@ impl MeshView {
     }
 }
 
-/// How often the config directory is checked for changes.
+/// How often the config directory is checked for changes. A change is
+/// read once the directory looked the same at two checks in a row, so a
+/// file still being written is not read half-way.
 pub const DIR_POLL: Duration = Duration::from_millis(200);
 
-/// (path, modified, length) of every config file the control plane reads
-/// (same rules: `*.yaml`/`*.yml`, recursive, no dot-entries): a cheap change
-/// detector.
-fn signature(dir: &Path) -> Vec<(PathBuf, Option<SystemTime>, u64)> {
+/// (modified, length) of every config file the control plane reads: a
+/// cheap change detector.
+type Signature = BTreeMap<PathBuf, (Option<SystemTime>, u64)>;
+
+fn signature(dir: &Path) -> Signature {
     config_files(dir)
         .into_iter()
         .map(|p| {
             let meta = std::fs::metadata(&p).ok();
-            (
-                p,
+            let stamp = (
                 meta.as_ref().and_then(|m| m.modified().ok()),
                 meta.map_or(0, |m| m.len()),
-            )
+            );
+            (p, stamp)
         })
         .collect()
 }
 
-/// Reads every YAML file of `dir` into a view. Files or documents that do
-/// not parse are skipped (the control plane reports them).
-pub fn read_dir_view(dir: &Path) -> MeshView {
-    let mut objects = Vec::new();
-    for (path, _, _) in signature(dir) {
-        match std::fs::read_to_string(&path) {
-            Ok(text) => objects.extend(parse_documents(&path, &text).0),
-            Err(e) => tracing::warn!(path = %path.display(), error = %e, "cannot read config file"),
-        }
+/// A config directory read with the shared reader, and the view built from
+/// what it returned.
+#[derive(Debug)]
+pub struct DirView {
+    reader: ConfigDir,
+    view: MeshView,
+    /// The signature the view reflects.
+    read: Signature,
+}
+
+impl DirView {
+    /// Reads every config file of `dir`.
+    pub fn load(dir: &Path) -> Self {
+        let mut reader = ConfigDir::new(dir);
+        let read = signature(dir);
+        let mut view = MeshView::default();
+        view.apply(reader.rescan().changes);
+        Self { reader, view, read }
     }
-    MeshView::from_objects(objects)
+
+    /// The current view.
+    pub fn view(&self) -> &MeshView {
+        &self.view
+    }
+
+    /// Re-reads the files whose signature differs from `now` (changed, new
+    /// or gone); true when the view changed.
+    fn refresh_to(&mut self, now: Signature) -> bool {
+        let changed: Vec<PathBuf> = now
+            .iter()
+            .filter(|(p, s)| self.read.get(*p) != Some(*s))
+            .map(|(p, _)| p.clone())
+            .chain(self.read.keys().filter(|p| !now.contains_key(*p)).cloned())
+            .collect();
+        self.read = now;
+        if changed.is_empty() {
+            return false;
+        }
+        let update = self.reader.reread(&changed);
+        self.view.apply(update.changes)
+    }
+
+    /// Re-reads what changed since the last read; true when the view
+    /// changed.
+    pub fn refresh(&mut self) -> bool {
+        let now = signature(self.reader.root());
+        self.refresh_to(now)
+    }
+}
+
+/// Reads every YAML file of `dir` into a view, as the control plane does
+/// (rejected documents are left out; the control plane reports them).
+pub fn read_dir_view(dir: &Path) -> MeshView {
+    DirView::load(dir).view
 }
 
 /// Publishes the view of `dir` now and after every change (checked every
-/// [`DIR_POLL`]); the task ends when every receiver is gone.
+/// [`DIR_POLL`], read once settled); the task ends when every receiver is
+/// gone.
 pub fn spawn_dir_view(dir: PathBuf) -> watch::Receiver<Arc<MeshView>> {
-    let (tx, rx) = watch::channel(Arc::new(read_dir_view(&dir)));
+    let dir_view = DirView::load(&dir);
+    let (tx, rx) = watch::channel(Arc::new(dir_view.view.clone()));
     tokio::spawn(async move {
-        let mut last = signature(&dir);
+        let mut dir_view = Some(dir_view);
+        let mut seen = signature(&dir);
         let mut tick = tokio::time::interval(DIR_POLL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -124,23 +193,34 @@ pub fn spawn_dir_view(dir: PathBuf) -> watch::Receiver<Arc<MeshView>> {
                 _ = tick.tick() => {}
                 () = tx.closed() => return,
             }
-            let sig = signature(&dir);
-            if sig == last {
-                continue;
-            }
-            last = sig;
             let d = dir.clone();
-            let Ok(view) = tokio::task::spawn_blocking(move || read_dir_view(&d)).await else {
+            let Ok(sig) = tokio::task::spawn_blocking(move || signature(&d)).await else {
                 continue;
             };
-            tx.send_if_modified(|cur| {
-                if **cur == view {
-                    false
-                } else {
-                    *cur = Arc::new(view);
-                    true
-                }
+            if sig != seen {
+                // Still changing: read once it has settled.
+                seen = sig;
+                continue;
+            }
+            let Some(mut current) = dir_view.take() else {
+                return;
+            };
+            if current.read == sig {
+                dir_view = Some(current);
+                continue;
+            }
+            let job = tokio::task::spawn_blocking(move || {
+                let changed = current.refresh_to(sig);
+                (current, changed)
             });
+            let Ok((current, changed)) = job.await else {
+                tracing::error!(dir = %dir.display(), "re-reading the config directory failed unexpectedly; the node agent's view stops following it (restart the agent)");
+                return;
+            };
+            if changed {
+                tx.send_replace(Arc::new(current.view.clone()));
+            }
+            dir_view = Some(current);
         }
     });
     rx
@@ -180,5 +260,77 @@ mod tests {
         assert!(!view.enrolled("other", "x"), "dot-files are not read");
         assert_eq!(view.service_account("ai", "web"), "web");
         assert_eq!(view.service_account("ai", "unknown"), "default");
+    }
+
+    const NAMESPACE: &str = "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: ai\n  labels:\n    istio.io/dataplane-mode: ambient\n";
+
+    /// A namespaces file caught half-written (not even YAML), or with a
+    /// rejected document, keeps the namespace's last good labels: its pods
+    /// stay enrolled, as at the control plane.
+    #[test]
+    fn half_written_namespaces_file_keeps_pods_enrolled() {
+        let dir = tempfile::tempdir().unwrap();
+        let ns = dir.path().join("namespaces.yaml");
+        std::fs::write(&ns, NAMESPACE).unwrap();
+        std::fs::write(
+            dir.path().join("pods.yaml"),
+            "apiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: ai}\nspec: {nodeName: n}\n",
+        )
+        .unwrap();
+        let mut dv = DirView::load(dir.path());
+        assert!(dv.view().enrolled("ai", "web"));
+        for broken in [
+            // Cut in the middle of the labels: not YAML at all.
+            &NAMESPACE[..NAMESPACE.len() - 12],
+            // A rejected document whose identity is known.
+            "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: ai\n  labels: [istio.io/dataplane-mode]\n",
+        ] {
+            std::fs::write(&ns, broken).unwrap();
+            dv.refresh();
+            assert!(
+                dv.view().enrolled("ai", "web"),
+                "after writing {broken:?} the pod must stay enrolled"
+            );
+        }
+        // A real change is followed: the namespace opts out.
+        std::fs::write(&ns, NAMESPACE.replace("ambient", "none")).unwrap();
+        assert!(dv.refresh());
+        assert!(!dv.view().enrolled("ai", "web"));
+        // Deleting the file removes the namespace.
+        std::fs::write(&ns, NAMESPACE).unwrap();
+        assert!(dv.refresh());
+        std::fs::remove_file(&ns).unwrap();
+        assert!(dv.refresh());
+        assert!(!dv.view().enrolled("ai", "web"));
+        assert!(dv.view().namespaces.is_empty());
+    }
+
+    /// Only changed files are parsed again: a file whose (valid) content the
+    /// agent read is not parsed again when another file changes.
+    #[test]
+    fn unchanged_files_are_not_reparsed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.yaml"), dir.path().join("b.yaml"));
+        std::fs::write(&a, NAMESPACE).unwrap();
+        std::fs::write(&b, NAMESPACE.replace("name: ai", "name: db")).unwrap();
+        let mut dv = DirView::load(dir.path());
+        // Changed behind the agent's back with the same length and mtime
+        // kept: only a re-parse of every file would notice.
+        let mtime = std::fs::metadata(&a).unwrap().modified().unwrap();
+        std::fs::write(&a, NAMESPACE.replace("ambient", "nonenon")).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&a)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+        std::fs::write(&b, NAMESPACE.replace("name: ai", "name: dc")).unwrap();
+        assert!(dv.refresh());
+        assert!(dv.view().namespaces.contains_key("dc"));
+        assert_eq!(
+            dv.view().namespaces["ai"]["istio.io/dataplane-mode"],
+            "ambient",
+            "a.yaml was not parsed again"
+        );
     }
 }

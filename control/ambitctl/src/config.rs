@@ -1,11 +1,8 @@
 //! The one place this crate reaches into mesh config: the typed objects,
 //! the YAML parser the control plane serves with, and its enrollment rule,
-//! so the CLI reads a config directory exactly as the control plane does.
-//!
-//! They come from `ambit_control` today. When the shared config crate
-//! (`control/config`) lands, these lines and the dependency in `Cargo.toml`
-//! are all that change.
+//! so the CLI reads a config directory exactly as the control plane and the
+//! node agent do (all from the shared `ambit-config` crate).
 
-pub(crate) use ambit_control::model::objects::{Labels, Object};
-pub(crate) use ambit_control::model::translate::is_enrolled;
-pub(crate) use ambit_control::source::file::parse_documents;
+pub(crate) use ambit_config::is_enrolled;
+pub(crate) use ambit_config::objects::{Labels, Object};
+pub(crate) use ambit_config::parse_documents;

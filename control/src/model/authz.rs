@@ -13,7 +13,8 @@
 //!   policy the rule holding them is omitted (it never matches, so what it
 //!   would have allowed is denied when no other rule allows it: fails
 //!   closed), in a DENY policy they are dropped (the rule denies more: fails
-//!   closed too); `decode` logs a warning naming the policy and the fields;
+//!   closed too); the model writer logs a warning naming the policy and the
+//!   fields when it accepts a new version ([`unsupported_warning`]);
 //! * CUSTOM and AUDIT policies and policies with `targetRef(s)` (waypoint
 //!   policies) are not sent to ztunnel.
 
@@ -23,13 +24,13 @@ use ambit_proto::security::{
     string_match::MatchType,
 };
 
-use super::objects::{
-    AuthorizationAction, AuthorizationPolicy, AuthorizationRule, Cidr, Condition, Labels,
-    Operation, Source,
-};
 use super::snapshot::XdsResource;
 use super::store::NamespaceObjects;
 use super::translate::{LabelIndex, ROOT_NAMESPACES, Wl};
+use ambit_config::objects::{
+    AuthorizationAction, AuthorizationPolicy, AuthorizationRule, Cidr, Condition, Labels,
+    Operation, Source,
+};
 
 /// Translates the namespace's policies, attaches selector policies to the
 /// namespace's workloads and collects root-namespace selector policies (which
@@ -142,6 +143,20 @@ pub fn l7_fields(pol: &AuthorizationPolicy) -> Vec<String> {
     found.sort();
     found.dedup();
     found
+}
+
+/// What ztunnel will not enforce of `pol` as written, or `None`: the CUSTOM
+/// and AUDIT actions, or HTTP attributes ([`l7_warning`]).
+pub fn unsupported_warning(pol: &AuthorizationPolicy) -> Option<String> {
+    let action = match pol.spec.action {
+        AuthorizationAction::Custom => "CUSTOM",
+        AuthorizationAction::Audit => "AUDIT",
+        AuthorizationAction::Allow | AuthorizationAction::Deny => return l7_warning(pol),
+    };
+    let (ns, name) = (&pol.metadata.namespace, &pol.metadata.name);
+    Some(format!(
+        "AuthorizationPolicy {ns}/{name}: ztunnel does not support the {action} action; accepted but not enforced (no policy is sent to ztunnel)"
+    ))
 }
 
 /// The warning for a policy that applies to ztunnel and uses HTTP

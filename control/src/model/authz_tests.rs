@@ -168,13 +168,13 @@ fn policy_yaml(name: &str, spec: &str) -> String {
     )
 }
 
-fn parse_policy(spec: &str) -> super::objects::AuthorizationPolicy {
+fn parse_policy(spec: &str) -> ambit_config::objects::AuthorizationPolicy {
     let (objs, errs) =
-        crate::source::parse_documents(std::path::Path::new("t.yaml"), &policy_yaml("p", spec));
+        ambit_config::parse_documents(std::path::Path::new("t.yaml"), &policy_yaml("p", spec));
     assert!(errs.is_empty(), "{errs:#?}");
     objs.into_iter()
         .find_map(|o| match o {
-            super::objects::Object::AuthorizationPolicy(p) => Some(p),
+            ambit_config::objects::Object::AuthorizationPolicy(p) => Some(p),
             _ => None,
         })
         .unwrap()

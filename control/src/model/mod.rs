@@ -9,20 +9,16 @@
 //! publishes, but only when something observable changed (a resource, the
 //! error set, or the synced flag).
 
-use std::fmt;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
-use tracing::{debug, error, info};
+use tracing::{debug, error, info, warn};
 
 mod authz;
-pub mod decode;
 mod encode;
-mod istio;
-pub mod objects;
 pub mod peer_authn;
 pub mod snapshot;
 pub mod store;
@@ -37,8 +33,9 @@ mod tests;
 #[cfg(test)]
 mod translate_tests;
 
-pub use decode::{DecodeError, DecodeFailure, decode_value, decode_yaml_document};
-pub use objects::{Kind, Object, ObjectKey};
+// What sources produce lives in the shared config crate; these names are
+// part of the model's API (`SourceUpdate`, `Store`).
+pub use ambit_config::{Change, ConfigError, Kind, Object, ObjectKey};
 pub use snapshot::{
     MESH_SCOPE, ResourceDelta, ResourceFamily, ResourceSet, Snapshot, TypedSet, XdsResource,
 };
@@ -80,14 +77,6 @@ impl Default for ModelOptions {
     }
 }
 
-/// One change to the store.
-#[allow(clippy::large_enum_variant)] // moved once, never stored in bulk
-#[derive(Debug, Clone, PartialEq)]
-pub enum Change {
-    Upsert(Object),
-    Delete(ObjectKey),
-}
-
 /// A batch of changes from one source.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SourceUpdate {
@@ -99,31 +88,6 @@ pub struct SourceUpdate {
     pub errors: Vec<(String, Vec<ConfigError>)>,
     /// The source has delivered its complete initial state.
     pub initial_sync_done: bool,
-}
-
-/// A rejected document, for operators: what, where, and what to do.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct ConfigError {
-    pub file: String,
-    /// 0-based index of the document in the file.
-    pub document: usize,
-    /// 1-based line where the document starts.
-    pub line: usize,
-    pub kind: String,
-    pub namespace: String,
-    pub name: String,
-    /// What is wrong and what to do.
-    pub reason: String,
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}:{} (document {}) {}/{}/{}: {}",
-            self.file, self.line, self.document, self.kind, self.namespace, self.name, self.reason
-        )
-    }
 }
 
 /// Sends updates to the model's writer task. Cheap to clone.
@@ -170,7 +134,17 @@ struct Applied {
 fn apply_update(store: &mut Store, synced: &mut bool, u: SourceUpdate, acc: &mut Applied) {
     debug!(source = %u.source, changes = u.changes.len(), error_scopes = u.errors.len(), initial_sync_done = u.initial_sync_done, "model update");
     for c in u.changes {
-        acc.objects |= store.apply(c);
+        // Said once per accepted new version of a policy, whichever source
+        // sent it: what ztunnel will not enforce as written.
+        let warning = match &c {
+            Change::Upsert(Object::AuthorizationPolicy(ap)) => authz::unsupported_warning(ap),
+            _ => None,
+        };
+        let changed = store.apply(c);
+        if changed && let Some(msg) = warning {
+            warn!("{msg}");
+        }
+        acc.objects |= changed;
     }
     for (scope, errs) in u.errors {
         acc.errors |= store.set_errors(scope, errs);

@@ -32,10 +32,10 @@ use ambit_proto::security::{
     Action, Authorization, Clause, Match, Rule, Scope, StringMatch, string_match::MatchType,
 };
 
-use super::objects::{Labels, MtlsMode, PeerAuthentication};
 use super::snapshot::XdsResource;
 use super::store::Store;
 use super::translate::{ROOT_NAMESPACES, Wl};
+use ambit_config::objects::{Labels, MtlsMode, PeerAuthentication};
 
 /// Name of the shared STRICT policy (Istio's).
 pub const STATIC_STRICT_NAME: &str = "istio_converted_static_strict";

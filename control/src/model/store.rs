@@ -6,12 +6,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::objects::{
+use super::snapshot::{ResourceFamily, Snapshot};
+use super::{Change, ConfigError, ModelOptions, translate};
+use ambit_config::objects::{
     AuthorizationPolicy, EndpointSlice, Kind, Labels, Namespace, Object, ObjectKey,
     PeerAuthentication, Pod, Service, ServiceEntry, WorkloadEntry,
 };
-use super::snapshot::{ResourceFamily, Snapshot};
-use super::{Change, ConfigError, ModelOptions, translate};
 
 /// The objects of one namespace, by name.
 #[derive(Debug, Default, Clone, PartialEq)]

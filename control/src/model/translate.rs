@@ -16,13 +16,14 @@ use ambit_proto::workload::{
 };
 
 use super::ModelOptions;
-use super::objects::{
-    EndpointSlice, LABEL_DATAPLANE_MODE, LABEL_USE_WAYPOINT, LABEL_USE_WAYPOINT_NAMESPACE, Labels,
-    Location, Pod, Service, ServiceEntry, TargetPort, WorkloadEntry, WorkloadEntrySpec,
-};
 use super::snapshot::XdsResource;
 use super::store::{NamespaceObjects, Store};
 use super::{authz, encode, peer_authn};
+use ambit_config::is_enrolled;
+use ambit_config::objects::{
+    EndpointSlice, LABEL_USE_WAYPOINT, LABEL_USE_WAYPOINT_NAMESPACE, Labels, Location, Pod,
+    Service, ServiceEntry, TargetPort, WorkloadEntry, WorkloadEntrySpec,
+};
 
 /// DNS domain of the cluster (service hostnames `name.ns.svc.<suffix>`).
 pub const DOMAIN_SUFFIX: &str = "cluster.local";
@@ -187,16 +188,6 @@ fn ip_bytes(ip: IpAddr) -> Vec<u8> {
     match ip {
         IpAddr::V4(a) => a.octets().to_vec(),
         IpAddr::V6(a) => a.octets().to_vec(),
-    }
-}
-
-/// `istio.io/dataplane-mode`: the object's own label wins (`none` opts out,
-/// `ambient` opts in), else the namespace's `ambient` enrolls.
-pub fn is_enrolled(ns_labels: &Labels, labels: &Labels) -> bool {
-    match labels.get(LABEL_DATAPLANE_MODE).map(String::as_str) {
-        Some("none") => false,
-        Some("ambient") => true,
-        _ => ns_labels.get(LABEL_DATAPLANE_MODE).map(String::as_str) == Some("ambient"),
     }
 }
 
@@ -704,7 +695,10 @@ fn add_entry_ports(wl: &mut Wl<'_>, se: &ServiceEntry, keys: &[u32]) {
 }
 
 /// Target port of a Service port on one selected workload.
-fn resolve_service_target(sp: &super::objects::ServicePort, backing: Backing<'_>) -> Option<u16> {
+fn resolve_service_target(
+    sp: &ambit_config::objects::ServicePort,
+    backing: Backing<'_>,
+) -> Option<u16> {
     if let Backing::Entry(e) = backing
         && let Some(p) = e.ports.get(&sp.name)
     {

@@ -14,7 +14,7 @@ use prost::Message;
 
 use super::snapshot::Snapshot;
 use super::{ModelOptions, Store, build_snapshot};
-use crate::source::parse_documents;
+use ambit_config::parse_documents;
 
 pub(crate) fn store_from(yaml: &str) -> Store {
     let (objs, errs) = parse_documents(Path::new("test.yaml"), yaml);

@@ -3,9 +3,8 @@
 //! The seam is small and the same for every source (the file source here,
 //! the Kubernetes watchers later):
 //!
-//! * a source decodes its input into [`Object`]s (documents with
-//!   [`crate::model::decode_yaml_document`], API objects with
-//!   [`crate::model::decode_value`]);
+//! * a source decodes its input into [`Object`]s with `ambit_config::decode`
+//!   (YAML documents, or the API server's JSON directly);
 //! * it sends [`SourceUpdate`]s through a [`ModelHandle`]: upserts and
 //!   deletes of objects, the current [`ConfigError`]s per scope (replacing
 //!   that scope's previous errors), and `initial_sync_done: true` once its
@@ -20,7 +19,7 @@ pub mod file;
 mod tests;
 
 pub use crate::model::{Change, ConfigError, ModelHandle, Object, ObjectKey, SourceUpdate};
-pub use file::{FileSource, FileSourceError, parse_documents, spawn_file_source};
+pub use file::{FileSource, FileSourceError, spawn_file_source};
 
 /// The `source` name the file source puts in its updates.
 pub const FILE_SOURCE: &str = "file";

@@ -1,114 +1,22 @@
-//! File source tests: document splitting, error reporting, diffing of
-//! edits, and the inotify watcher end to end.
+//! File source tests: the inotify watcher end to end (the reader itself is
+//! tested in `ambit-config`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::mpsc;
 use tokio::time::timeout;
 
-use super::file::split_documents;
+use ambit_config::objects::Kind;
+
 use super::*;
-use crate::model::objects::Kind;
 
 fn pod(name: &str, ip: &str) -> String {
     format!(
         "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: a\nstatus:\n  podIP: {ip}\n"
     )
-}
-
-#[test]
-fn split_documents_table() {
-    // (text, expected (index, first content line, offset) per document)
-    type Docs = Vec<(usize, usize, usize)>;
-    let cases: Vec<(&str, Docs)> = vec![
-        ("a: 1\n", vec![(0, 1, 0)]),
-        ("---\na: 1\n---\nb: 2\n", vec![(0, 2, 1), (1, 4, 3)]),
-        (
-            "# header\n---\n# only comments\n---\n\nb: 2\n",
-            vec![(0, 6, 4)],
-        ),
-        ("a: 1\n---\n---\nb: 2\n...\n", vec![(0, 1, 0), (1, 4, 3)]),
-        ("a: 1\r\n--- \r\nb: 2\r\n", vec![(0, 1, 0), (1, 3, 2)]),
-        ("a: |\n  ---not a marker\n----\nb: 1\n", vec![(0, 1, 0)]),
-        ("--- {a: 1}\nb: 2\n", vec![(0, 1, 0)]),
-        ("\u{feff}a: 1\n", vec![(0, 1, 0)]),
-        ("", vec![]),
-    ];
-    for (i, (text, want)) in cases.into_iter().enumerate() {
-        let got: Docs = split_documents(text)
-            .iter()
-            .map(|d| (d.index, d.line, d.offset))
-            .collect();
-        assert_eq!(got, want, "case {i}: {text:?}");
-    }
-}
-
-#[test]
-fn parse_documents_reports_where_and_what() {
-    let text = format!(
-        "# comment\n{}---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: ignored}}\n---\napiVersion: v1\nkind: Service\nmetadata:\n  name: bad-port\n  namespace: shop\nspec:\n  ports:\n  - port: eighty\n---\napiVersion: v1\nkind: Pod\nmetadata:\n  name: broken\n  namespace: shop\n labels: {{}}\n---\nkind: Pod\nmetadata: {{name: nover}}\n---\n{}",
-        pod("ok1", "10.0.0.1"),
-        pod("ok1", "10.0.0.9"),
-    );
-    let (objs, errs) = parse_documents(Path::new("/cfg/app.yaml"), &text);
-    let keys: Vec<String> = objs.iter().map(|o| o.key().to_string()).collect();
-    assert_eq!(keys, vec!["Pod/a/ok1"]);
-    let got: Vec<(usize, usize, String)> = errs
-        .iter()
-        .map(|e| {
-            (
-                e.document,
-                e.line,
-                format!("{}/{}/{}", e.kind, e.namespace, e.name),
-            )
-        })
-        .collect();
-    assert_eq!(
-        got,
-        vec![
-            (2, 14, "Service/shop/bad-port".to_string()),
-            (3, 23, "Pod/shop/broken".to_string()),
-            (4, 30, "Pod//nover".to_string()),
-            (5, 33, "Pod/a/ok1".to_string()),
-        ]
-    );
-    assert!(errs.iter().all(|e| e.file == "/cfg/app.yaml"));
-    assert!(
-        errs[0].reason.contains("spec.ports[0].port"),
-        "{}",
-        errs[0].reason
-    );
-    assert!(
-        errs[0].reason.contains("at line 21 column"),
-        "file line of the bad field: {}",
-        errs[0].reason
-    );
-    assert!(
-        errs[0].reason.contains("keeps serving"),
-        "{}",
-        errs[0].reason
-    );
-    assert!(
-        errs[1].reason.contains("YAML syntax error"),
-        "{}",
-        errs[1].reason
-    );
-    assert!(
-        errs[2].reason.contains("missing apiVersion"),
-        "{}",
-        errs[2].reason
-    );
-    assert!(
-        errs[3].reason.contains("duplicate of document 0"),
-        "{}",
-        errs[3].reason
-    );
-    assert_eq!(
-        errs[0].to_string().split(':').take(2).collect::<Vec<_>>(),
-        vec!["/cfg/app.yaml", "14 (document 2) Service/shop/bad-port"]
-    );
 }
 
 async fn recv(rx: &mut mpsc::Receiver<SourceUpdate>) -> SourceUpdate {
@@ -348,4 +256,72 @@ async fn initial_errors_are_sent_and_objects_reach_the_model() {
             .any(|e| e.reason.contains("not valid UTF-8"))
     );
     let _ = Kind::Pod;
+}
+
+/// A new file redefining a served pod with another IP does not replace it;
+/// the conflict is a config error (served under `/debug/config_errors`)
+/// naming both files.
+#[tokio::test]
+async fn duplicate_in_a_new_file_is_an_error_and_does_not_replace() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = std::path::absolute(dir.path()).unwrap();
+    let pods = root.join("pods.yaml");
+    std::fs::write(&pods, pod("p1", "10.0.0.1")).unwrap();
+    let (model, mut snaps) = crate::model::spawn_model(crate::model::ModelOptions::default());
+    let _source = spawn_file_source(root.clone(), model).await.unwrap();
+    timeout(Duration::from_secs(5), snaps.wait_for(|s| s.synced))
+        .await
+        .unwrap()
+        .unwrap();
+    let before =
+        snaps.borrow().mesh(ambit_proto::ADDRESS_TYPE_URL).by_name["Kubernetes//Pod/a/p1"].clone();
+    write(&root.join("dup.yaml"), &pod("p1", "10.0.0.9"));
+    let s = timeout(
+        Duration::from_secs(5),
+        snaps.wait_for(|s| !s.errors.is_empty()),
+    )
+    .await
+    .unwrap()
+    .unwrap()
+    .clone();
+    assert_eq!(s.errors.len(), 1, "{:?}", s.errors);
+    let e = &s.errors[0];
+    assert!(e.file.ends_with("dup.yaml"), "{e}");
+    assert!(e.reason.contains(&pods.display().to_string()), "{e}");
+    assert!(
+        Arc::ptr_eq(
+            &s.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name["Kubernetes//Pod/a/p1"],
+            &before
+        ),
+        "pods.yaml's p1 keeps serving"
+    );
+}
+
+/// A file caught between two writes is valid YAML missing its end (here the
+/// pod's IP): it must not be served. The source waits for the writer to
+/// close the file and for a quiet period.
+#[tokio::test]
+async fn a_file_being_written_is_read_once_it_settles() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let root = std::path::absolute(dir.path()).unwrap();
+    let (handle, mut rx) = ModelHandle::channel(16);
+    let _source = spawn_file_source(root.clone(), handle).await.unwrap();
+    let _init = rx.try_recv().unwrap();
+    let full = pod("p1", "10.0.0.7");
+    let (head, tail) = full.split_at(full.find("status:").unwrap());
+    let mut f = std::fs::File::create(root.join("slow.yaml")).unwrap();
+    f.write_all(head.as_bytes()).unwrap();
+    f.flush().unwrap();
+    // Longer than the old 30 ms debounce, shorter than SETTLE_OPEN.
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    f.write_all(tail.as_bytes()).unwrap();
+    drop(f);
+    let u = recv(&mut rx).await;
+    assert_eq!(summary(&u), vec!["+Pod/a/p1"]);
+    assert_eq!(
+        ip_of(&u, "p1").as_deref(),
+        Some("10.0.0.7"),
+        "the half-written version (no IP) was never sent"
+    );
 }

@@ -1,5 +1,5 @@
 //! The Istio kinds of the object model (`networking.istio.io`,
-//! `security.istio.io`), re-exported by [`super::objects`].
+//! `security.istio.io`), re-exported by [`crate::objects`].
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -9,7 +9,7 @@ use std::str::FromStr;
 use serde::Deserialize;
 use serde::de::{self, Deserializer};
 
-use super::objects::{
+use crate::objects::{
     LabelSelector, Labels, ObjectMeta, check_port, nullable, optional_port_number, parse_str,
     port_number,
 };
@@ -19,7 +19,9 @@ use super::objects::{
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct ServiceEntry {
+    #[serde(deserialize_with = "nullable")]
     pub metadata: ObjectMeta,
+    #[serde(deserialize_with = "nullable")]
     pub spec: ServiceEntrySpec,
 }
 
@@ -90,7 +92,9 @@ pub struct WorkloadSelector {
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct WorkloadEntry {
+    #[serde(deserialize_with = "nullable")]
     pub metadata: ObjectMeta,
+    #[serde(deserialize_with = "nullable")]
     pub spec: WorkloadEntrySpec,
 }
 
@@ -134,7 +138,9 @@ fn port_map<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, u16>, D:
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct PeerAuthentication {
+    #[serde(deserialize_with = "nullable")]
     pub metadata: ObjectMeta,
+    #[serde(deserialize_with = "nullable")]
     pub spec: PeerAuthenticationSpec,
 }
 
@@ -182,7 +188,9 @@ fn port_keyed<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<u16, Mtls>, D:
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct AuthorizationPolicy {
+    #[serde(deserialize_with = "nullable")]
     pub metadata: ObjectMeta,
+    #[serde(deserialize_with = "nullable")]
     pub spec: AuthorizationPolicySpec,
 }
 
@@ -255,12 +263,14 @@ pub struct AuthorizationRule {
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct RuleFrom {
+    #[serde(deserialize_with = "nullable")]
     pub source: Source,
 }
 
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct RuleTo {
+    #[serde(deserialize_with = "nullable")]
     pub operation: Operation,
 }
 

@@ -14,7 +14,7 @@ use std::net::IpAddr;
 use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize};
 
-pub use super::istio::*;
+pub use crate::istio::*;
 
 /// Label that enrolls a namespace or pod in ambient mode (`ambient`) or opts a
 /// pod out (`none`).
@@ -183,7 +183,8 @@ impl Object {
 }
 
 /// Deserializes `null` as the type's default (the API server writes
-/// `endpoints: null`, people write `labels: ~`).
+/// `endpoints: null`, people write `labels: ~` or an empty `spec:`). Every
+/// non-optional field whose type has a default uses it.
 pub(crate) fn nullable<'de, D, T>(d: D) -> Result<T, D::Error>
 where
     D: Deserializer<'de>,
@@ -241,14 +242,18 @@ pub fn selector_matches(selector: &Labels, labels: &Labels) -> bool {
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct Namespace {
+    #[serde(deserialize_with = "nullable")]
     pub metadata: ObjectMeta,
 }
 
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct Pod {
+    #[serde(deserialize_with = "nullable")]
     pub metadata: ObjectMeta,
+    #[serde(deserialize_with = "nullable")]
     pub spec: PodSpec,
+    #[serde(deserialize_with = "nullable")]
     pub status: PodStatus,
 }
 
@@ -376,7 +381,9 @@ impl Pod {
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct Service {
+    #[serde(deserialize_with = "nullable")]
     pub metadata: ObjectMeta,
+    #[serde(deserialize_with = "nullable")]
     pub spec: ServiceSpec,
 }
 
@@ -576,6 +583,7 @@ fn ip<'de, D: Deserializer<'de>>(d: D) -> Result<IpAddr, D::Error> {
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct EndpointSlice {
+    #[serde(deserialize_with = "nullable")]
     pub metadata: ObjectMeta,
     #[serde(deserialize_with = "nullable")]
     pub address_type: String,
@@ -600,6 +608,7 @@ impl EndpointSlice {
 pub struct Endpoint {
     #[serde(deserialize_with = "nullable")]
     pub addresses: Vec<String>,
+    #[serde(deserialize_with = "nullable")]
     pub conditions: EndpointConditions,
     pub target_ref: Option<ObjectReference>,
     #[serde(deserialize_with = "nullable")]

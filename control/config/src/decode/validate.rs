@@ -1,0 +1,147 @@
+//! Checks of decoded objects that serde cannot express (IP syntax of string
+//! fields, required port numbers, `when` condition values), and the derived
+//! fields they fill (service VIPs, endpoint IPs).
+
+use std::net::IpAddr;
+
+use tracing::debug;
+
+use crate::objects::{AuthorizationPolicy, Cidr, Object};
+
+/// Checks what serde cannot and fills derived fields.
+pub(super) fn validate(obj: &mut Object) -> Result<(), String> {
+    match obj {
+        Object::Service(s) => {
+            let mut vips = Vec::new();
+            let mut all: Vec<&str> = Vec::new();
+            if !s.spec.cluster_ip.is_empty() {
+                all.push(&s.spec.cluster_ip);
+            }
+            all.extend(s.spec.cluster_ips.iter().map(String::as_str));
+            for (i, ip) in all.into_iter().enumerate() {
+                if ip == "None" || ip.is_empty() {
+                    continue;
+                }
+                let parsed: IpAddr = ip.parse().map_err(|_| {
+                    let field = if i == 0 && !s.spec.cluster_ip.is_empty() {
+                        "spec.clusterIP".to_string()
+                    } else {
+                        "spec.clusterIPs".to_string()
+                    };
+                    format!("{field}: {ip:?} is not a valid IP address; use an IP, \"None\" for a headless service, or leave it out")
+                })?;
+                if !vips.contains(&parsed) {
+                    vips.push(parsed);
+                }
+            }
+            if s.is_headless() {
+                vips.clear();
+            }
+            s.spec.vips = vips;
+            for (i, p) in s.spec.ports.iter().enumerate() {
+                if p.port == 0 {
+                    return Err(format!(
+                        "spec.ports[{i}].port is missing; every service port needs a number (1-65535)"
+                    ));
+                }
+            }
+            if s.spec.ports.len() > 1 && s.spec.ports.iter().any(|p| p.name.is_empty()) {
+                return Err("spec.ports: every port needs a name when a Service has more than one port; add `name:` to each".to_string());
+            }
+        }
+        Object::EndpointSlice(es) => {
+            let fqdn = es.address_type == "FQDN";
+            for (i, ep) in es.endpoints.iter_mut().enumerate() {
+                ep.ips.clear();
+                if fqdn {
+                    continue;
+                }
+                for a in &ep.addresses {
+                    let ip: IpAddr = a.parse().map_err(|_| {
+                        format!("endpoints[{i}].addresses: {a:?} is not a valid IP address; use an IP (or addressType: FQDN for host names)")
+                    })?;
+                    ep.ips.push(ip);
+                }
+            }
+        }
+        Object::ServiceEntry(se) => {
+            if se.spec.hosts.is_empty() {
+                return Err(
+                    "spec.hosts is empty; a ServiceEntry needs at least one host".to_string(),
+                );
+            }
+            if se.spec.workload_selector.is_some() && !se.spec.endpoints.is_empty() {
+                return Err(
+                    "spec.workloadSelector and spec.endpoints are both set; use only one of them"
+                        .to_string(),
+                );
+            }
+            let mut vips = Vec::new();
+            for a in &se.spec.addresses {
+                let c: Cidr = a
+                    .parse()
+                    .map_err(|e| format!("spec.addresses: {e}; list virtual IPs or CIDRs"))?;
+                if c.is_host() {
+                    vips.push(c.addr);
+                } else {
+                    debug!(address = %a, "ServiceEntry CIDR address is not a single VIP; it is not used as a service address");
+                }
+            }
+            se.spec.vips = vips;
+            for (i, p) in se.spec.ports.iter().enumerate() {
+                if p.number == 0 {
+                    return Err(format!(
+                        "spec.ports[{i}].number is missing; every ServiceEntry port needs a number (1-65535)"
+                    ));
+                }
+            }
+        }
+        Object::Pod(p) => {
+            for (i, c) in p.spec.containers.iter().enumerate() {
+                for (j, cp) in c.ports.iter().enumerate() {
+                    if cp.container_port == 0 {
+                        return Err(format!(
+                            "spec.containers[{i}].ports[{j}].containerPort is missing; add the port number"
+                        ));
+                    }
+                }
+            }
+        }
+        Object::AuthorizationPolicy(ap) => validate_policy(ap)?,
+        Object::Namespace(_) | Object::WorkloadEntry(_) | Object::PeerAuthentication(_) => {}
+    }
+    Ok(())
+}
+
+fn validate_policy(ap: &AuthorizationPolicy) -> Result<(), String> {
+    for (i, r) in ap.spec.rules.iter().enumerate() {
+        for (j, c) in r.when.iter().enumerate() {
+            let at = format!("spec.rules[{i}].when[{j}]");
+            let values = c.values.iter().chain(&c.not_values);
+            match c.key.as_str() {
+                "" => {
+                    return Err(format!(
+                        "{at}.key is missing; name the attribute, e.g. source.ip"
+                    ));
+                }
+                "source.ip" | "destination.ip" => {
+                    for v in values {
+                        v.parse::<Cidr>()
+                            .map_err(|e| format!("{at}: {e}; use IPs or CIDRs as values"))?;
+                    }
+                }
+                "destination.port" => {
+                    for v in values {
+                        if v.trim().parse::<u16>().ok().filter(|p| *p != 0).is_none() {
+                            return Err(format!(
+                                "{at}: {v:?} is not a port number; use numbers 1-65535 as values"
+                            ));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
