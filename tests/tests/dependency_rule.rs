@@ -46,7 +46,6 @@ const CLI: &str = "ambitctl";
 /// in-pod crate (`ztunnel/inpod`) land. Each entry must still exist and still
 /// be forbidden, or the test fails, so the list cannot go stale.
 const PENDING_EDGES: &[(&str, &str)] = &[
-    ("ambit-cni", "ambit-control"),
     ("ambit-cni", "ambit-ztunnel"),
 ];
 
