@@ -45,9 +45,7 @@ const CLI: &str = "ambitctl";
 /// protocol). EMPTY THIS LIST once the config crate (`control/config`) and the
 /// in-pod crate (`ztunnel/inpod`) land. Each entry must still exist and still
 /// be forbidden, or the test fails, so the list cannot go stale.
-const PENDING_EDGES: &[(&str, &str)] = &[
-    ("ambit-cni", "ambit-ztunnel"),
-];
+const PENDING_EDGES: &[(&str, &str)] = &[("ambit-cni", "ambit-ztunnel")];
 
 #[test]
 fn the_workspace_keeps_the_dependency_rule() {

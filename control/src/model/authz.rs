@@ -24,9 +24,9 @@ use ambit_proto::security::{
     string_match::MatchType,
 };
 
+use super::index::{LabelIndex, ROOT_NAMESPACES, WorkloadDraft};
 use super::snapshot::XdsResource;
 use super::store::NamespaceObjects;
-use super::translate::{LabelIndex, ROOT_NAMESPACES, Wl};
 use ambit_config::objects::{
     AuthorizationAction, AuthorizationPolicy, AuthorizationRule, Cidr, Condition, Labels,
     Operation, Source,
@@ -39,7 +39,7 @@ pub(crate) fn translate_namespace<'a>(
     ns: &str,
     objs: &'a NamespaceObjects,
     index: &LabelIndex<'_>,
-    wls: &mut [Wl<'_>],
+    wls: &mut [WorkloadDraft<'_>],
     out: &mut Vec<XdsResource>,
     root: &mut Vec<(String, &'a Labels)>,
 ) {
@@ -69,7 +69,7 @@ pub(crate) fn translate_namespace<'a>(
 
 /// Attaches root-namespace selector policies to matching pods and
 /// WorkloadEntries of every namespace.
-pub(crate) fn apply_root_policies(root: &[(String, &Labels)], wls: &mut [Wl<'_>]) {
+pub(crate) fn apply_root_policies(root: &[(String, &Labels)], wls: &mut [WorkloadDraft<'_>]) {
     if root.is_empty() {
         return;
     }

@@ -3,7 +3,7 @@
 
 use ambit_proto::security::{Action, Scope, StringMatch, string_match::MatchType};
 
-use super::translate_tests::{build, pod, uid};
+use super::workloads_tests::{build, pod, uid};
 
 fn sm(m: MatchType) -> StringMatch {
     StringMatch {

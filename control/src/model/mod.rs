@@ -17,12 +17,19 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tracing::{debug, error, info, warn};
 
+// Bottom to top: objects by namespace (`store`) and the resource types
+// (`snapshot`); the drafts and label indexes every translator shares
+// (`index`); one translator per resource family (`workloads`, `authz`,
+// `peer_authn`, with `encode` for workload bytes); snapshot assembly on top
+// (`assemble`). No module imports one above it.
+mod assemble;
 mod authz;
 mod encode;
+mod index;
 pub mod peer_authn;
 pub mod snapshot;
 pub mod store;
-pub mod translate;
+pub mod workloads;
 
 #[cfg(test)]
 mod authz_tests;
@@ -31,15 +38,16 @@ mod peer_authn_tests;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
-mod translate_tests;
+mod workloads_tests;
 
 // What sources produce lives in the shared config crate; these names are
 // part of the model's API (`SourceUpdate`, `Store`).
 pub use ambit_config::{Change, ConfigError, Kind, Object, ObjectKey};
+pub use assemble::{Translated, build_snapshot, translate};
 pub use snapshot::{
     MESH_SCOPE, ResourceDelta, ResourceFamily, ResourceSet, Snapshot, TypedSet, XdsResource,
 };
-pub use store::{Store, build_snapshot};
+pub use store::Store;
 
 /// Errors of the model's API.
 #[derive(Debug, thiserror::Error)]

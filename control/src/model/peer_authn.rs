@@ -32,9 +32,9 @@ use ambit_proto::security::{
     Action, Authorization, Clause, Match, Rule, Scope, StringMatch, string_match::MatchType,
 };
 
+use super::index::{ROOT_NAMESPACES, WorkloadDraft};
 use super::snapshot::XdsResource;
 use super::store::Store;
-use super::translate::{ROOT_NAMESPACES, Wl};
 use ambit_config::objects::{Labels, MtlsMode, PeerAuthentication};
 
 /// Name of the shared STRICT policy (Istio's).
@@ -168,7 +168,7 @@ struct NsPolicies<'a> {
 
 /// Resolves every workload's effective mode, names the converted policies in
 /// their `authorization_policies` and appends the policies used to `out`.
-pub(crate) fn apply(store: &Store, wls: &mut [Wl<'_>], out: &mut Vec<XdsResource>) {
+pub(crate) fn apply(store: &Store, wls: &mut [WorkloadDraft<'_>], out: &mut Vec<XdsResource>) {
     let mut mesh = None;
     for root in ROOT_NAMESPACES {
         if mesh.is_some() {

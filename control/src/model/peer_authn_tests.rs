@@ -4,7 +4,7 @@
 
 use ambit_proto::security::{Action, Scope, StringMatch, string_match::MatchType};
 
-use super::translate_tests::{build, pod, uid};
+use super::workloads_tests::{build, pod, uid};
 
 const STATIC: &str = "istio-system/istio_converted_static_strict";
 const CONV_WEB: &str = "a/converted_peer_authentication_web";

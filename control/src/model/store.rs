@@ -3,11 +3,8 @@
 //! configuration errors. Owned by the model's single writer task.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
-use std::time::Instant;
 
-use super::snapshot::{ResourceFamily, Snapshot};
-use super::{Change, ConfigError, ModelOptions, translate};
+use super::{Change, ConfigError};
 use ambit_config::objects::{
     AuthorizationPolicy, EndpointSlice, Kind, Labels, Namespace, Object, ObjectKey,
     PeerAuthentication, Pod, Service, ServiceEntry, WorkloadEntry,
@@ -218,31 +215,5 @@ impl Store {
     /// Namespaces that hold at least one namespaced object, with their objects.
     pub fn spaces(&self) -> impl Iterator<Item = (&str, &NamespaceObjects)> {
         self.spaces.iter().map(|(k, v)| (k.as_str(), v))
-    }
-}
-
-/// Translates `store` into a new snapshot following `prev`: `seq` is
-/// `prev.seq + 1`, unchanged resources keep `prev`'s `Arc`s, deltas are
-/// against `prev`, `synced` is carried over from `prev`.
-pub fn build_snapshot(store: &Store, prev: &Snapshot, opts: &ModelOptions) -> Snapshot {
-    let started = Instant::now();
-    let out = translate::translate(store, opts);
-    let families = vec![
-        ResourceFamily::mesh(ambit_proto::ADDRESS_TYPE_URL, out.addresses),
-        ResourceFamily::mesh(ambit_proto::AUTHORIZATION_TYPE_URL, out.authorizations),
-    ];
-    let sets = Snapshot::build_sets(prev, families);
-    let errors = store.errors();
-    let errors = if *prev.errors == errors {
-        prev.errors.clone()
-    } else {
-        Arc::new(errors)
-    };
-    Snapshot {
-        seq: prev.seq + 1,
-        sets,
-        synced: prev.synced,
-        errors,
-        build_time: started.elapsed(),
     }
 }

@@ -11,7 +11,7 @@ use tokio::time::timeout;
 use ambit_config::decode::{DecodeFailure, decode_yaml_document};
 use ambit_config::objects::{Kind, Object, ObjectKey};
 
-use super::translate_tests::store_from;
+use super::workloads_tests::store_from;
 use super::*;
 
 fn decode(yaml: &str) -> Result<Option<Object>, Box<DecodeFailure>> {

@@ -1,6 +1,7 @@
-//! Translation of the store into the workload discovery API
-//! (`istio.workload.Address`) and L4 authorization (`istio.security.Authorization`),
-//! following Istio's ambient semantics.
+//! The workload and service translator: pods, WorkloadEntries, Services,
+//! EndpointSlices and ServiceEntries of one namespace become workload drafts
+//! and `istio.workload.Address` service resources, following Istio's
+//! ambient semantics.
 //!
 //! Work is done one namespace at a time: selectors are matched through a
 //! per-namespace label index, so the cost is linear in the number of
@@ -16,178 +17,59 @@ use ambit_proto::workload::{
 };
 
 use super::ModelOptions;
+use super::index::{
+    Backing, DOMAIN_SUFFIX, HBONE_PORT, LabelIndex, LabelView, WorkloadDraft, ip_bytes,
+    ip_from_bytes,
+};
 use super::snapshot::XdsResource;
-use super::store::{NamespaceObjects, Store};
-use super::{authz, encode, peer_authn};
+use super::store::NamespaceObjects;
 use ambit_config::is_enrolled;
 use ambit_config::objects::{
     EndpointSlice, LABEL_USE_WAYPOINT, LABEL_USE_WAYPOINT_NAMESPACE, Labels, Location, Pod,
-    Service, ServiceEntry, TargetPort, WorkloadEntry, WorkloadEntrySpec,
+    Service, ServiceEntry, TargetPort, WorkloadEntry,
 };
 
-/// DNS domain of the cluster (service hostnames `name.ns.svc.<suffix>`).
-pub const DOMAIN_SUFFIX: &str = "cluster.local";
-/// Namespaces whose selector-less policies apply mesh-wide.
-pub const ROOT_NAMESPACES: [&str; 2] = ["istio-system", "ambit-system"];
-/// HBONE port of waypoints.
-pub const HBONE_PORT: u32 = 15008;
 /// Label carried by the pods and services of a Gateway (waypoints included).
 const LABEL_GATEWAY_NAME: &str = "gateway.networking.k8s.io/gateway-name";
 
-/// Translated, encoded resources.
-#[derive(Debug, Default)]
-pub struct Translated {
-    pub addresses: Vec<XdsResource>,
-    pub authorizations: Vec<XdsResource>,
-}
-
-/// What a workload was made from, for per-workload target port resolution.
-#[derive(Clone, Copy)]
-pub(crate) enum Backing<'a> {
-    Pod(&'a Pod),
-    Entry(&'a WorkloadEntrySpec),
-    Plain,
-}
-
-/// A workload under construction.
-pub(crate) struct Wl<'a> {
-    pub w: Workload,
-    pub backing: Backing<'a>,
-    /// Labels selectors see (pods and WorkloadEntries only).
-    pub selectable: Option<LabelView<'a>>,
-    /// Memberships: (index into the translation's service key table
-    /// (`namespace/hostname`), port).
-    pub services: Vec<(u32, Port)>,
-}
-
-impl Wl<'_> {
-    fn add_port(&mut self, key: u32, port: Port) {
-        let dup = self
-            .services
-            .iter()
-            .any(|(k, p)| *k == key && p.service_port == port.service_port);
-        if !dup {
-            self.services.push((key, port));
-        }
-    }
-}
-
-/// Label view of a selectable workload: primary labels, then fallbacks
-/// (a WorkloadEntry's metadata labels behind its spec labels).
-#[derive(Clone, Copy)]
-pub(crate) struct LabelView<'a> {
-    /// Index into the global workload list.
-    pub idx: usize,
-    pub labels: &'a Labels,
-    pub extra: Option<&'a Labels>,
-}
-
-impl LabelView<'_> {
-    fn get(&self, k: &str) -> Option<&str> {
-        self.labels
-            .get(k)
-            .or_else(|| self.extra.and_then(|e| e.get(k)))
-            .map(String::as_str)
-    }
-
-    pub fn matches(&self, selector: &Labels) -> bool {
-        selector
-            .iter()
-            .all(|(k, v)| self.get(k) == Some(v.as_str()))
-    }
-}
-
-/// Label index over the selectable workloads (pods, WorkloadEntries) of one
-/// namespace.
-pub(crate) struct LabelIndex<'a> {
-    pub views: Vec<LabelView<'a>>,
-    postings: HashMap<(&'a str, &'a str), Vec<u32>>,
-}
-
-impl<'a> LabelIndex<'a> {
-    fn build(views: Vec<LabelView<'a>>) -> Self {
-        let mut postings: HashMap<(&str, &str), Vec<u32>> = HashMap::new();
-        for (i, v) in views.iter().enumerate() {
-            let extra = v.extra.into_iter().flatten();
-            for (k, val) in v.labels.iter().chain(extra) {
-                let list = postings.entry((k.as_str(), val.as_str())).or_default();
-                if list.last() != Some(&(i as u32)) {
-                    list.push(i as u32);
-                }
-            }
-        }
-        Self { views, postings }
-    }
-
-    /// Indices (into the global workload list) of workloads matching a
-    /// non-empty selector; an empty selector selects all.
-    pub fn select(&self, selector: &Labels) -> Vec<usize> {
-        if selector.is_empty() {
-            return self.views.iter().map(|v| v.idx).collect();
-        }
-        let mut best: Option<&Vec<u32>> = None;
-        for (k, v) in selector {
-            match self.postings.get(&(k.as_str(), v.as_str())) {
-                None => return Vec::new(),
-                Some(list) if best.is_none_or(|b| list.len() < b.len()) => best = Some(list),
-                Some(_) => {}
-            }
-        }
-        best.into_iter()
-            .flatten()
-            .map(|&i| self.views[i as usize])
-            .filter(|v| v.matches(selector))
-            .map(|v| v.idx)
-            .collect()
-    }
-}
-
-/// Translates the whole store.
-pub fn translate(store: &Store, opts: &ModelOptions) -> Translated {
-    let mut wls: Vec<Wl> = Vec::new();
-    let mut out = Translated::default();
-    let mut root_policies = Vec::new();
-    let mut keys: Vec<String> = Vec::new();
-    for (ns, objs) in store.spaces() {
-        let ns_labels = store.namespace_labels(ns);
-        let cx = NsCx {
-            ns,
-            ns_labels,
-            objs,
-            opts,
-        };
-        let index = cx.workloads(&mut wls);
-        cx.services(&index, &mut wls, &mut keys, &mut out.addresses);
-        cx.service_entries(&index, &mut wls, &mut keys, &mut out.addresses);
-        authz::translate_namespace(
-            ns,
-            objs,
-            &index,
-            &mut wls,
-            &mut out.authorizations,
-            &mut root_policies,
-        );
-    }
-    authz::apply_root_policies(&root_policies, &mut wls);
-    peer_authn::apply(store, &mut wls, &mut out.authorizations);
-    out.addresses.reserve(wls.len());
-    for wl in wls {
-        out.addresses.push(encode::workload_resource(wl, &keys));
-    }
-    out
-}
-
-struct NsCx<'a> {
+/// One namespace being translated.
+pub(crate) struct NsCx<'a> {
     ns: &'a str,
     ns_labels: &'a Labels,
     objs: &'a NamespaceObjects,
     opts: &'a ModelOptions,
 }
 
-fn ip_bytes(ip: IpAddr) -> Vec<u8> {
-    match ip {
-        IpAddr::V4(a) => a.octets().to_vec(),
-        IpAddr::V6(a) => a.octets().to_vec(),
+impl<'a> NsCx<'a> {
+    pub(crate) fn new(
+        ns: &'a str,
+        ns_labels: &'a Labels,
+        objs: &'a NamespaceObjects,
+        opts: &'a ModelOptions,
+    ) -> Self {
+        Self {
+            ns,
+            ns_labels,
+            objs,
+            opts,
+        }
+    }
+
+    /// Translates the namespace's workloads (drafts appended to `wls`),
+    /// Services and ServiceEntries (resources appended to `addresses`,
+    /// memberships recorded on the drafts; `keys` is the table of service
+    /// names the drafts point into). Returns the namespace's label index for
+    /// the other translators.
+    pub(crate) fn translate(
+        &self,
+        wls: &mut Vec<WorkloadDraft<'a>>,
+        keys: &mut Vec<String>,
+        addresses: &mut Vec<XdsResource>,
+    ) -> LabelIndex<'a> {
+        let index = self.workloads(wls);
+        self.services(&index, wls, keys, addresses);
+        self.service_entries(&index, wls, keys, addresses);
+        index
     }
 }
 
@@ -306,7 +188,7 @@ impl<'a> NsCx<'a> {
 
     /// Builds the pods' and WorkloadEntries' workloads and the namespace's
     /// label index over them.
-    fn workloads(&self, wls: &mut Vec<Wl<'a>>) -> LabelIndex<'a> {
+    fn workloads(&self, wls: &mut Vec<WorkloadDraft<'a>>) -> LabelIndex<'a> {
         let mut views = Vec::with_capacity(self.objs.pods.len() + self.objs.workload_entries.len());
         for pod in self.objs.pods.values() {
             if pod.spec.host_network || pod.is_terminal() {
@@ -342,7 +224,7 @@ impl<'a> NsCx<'a> {
                 extra: None,
             };
             views.push(view);
-            wls.push(Wl {
+            wls.push(WorkloadDraft {
                 w,
                 backing: Backing::Pod(pod),
                 selectable: Some(view),
@@ -364,7 +246,7 @@ impl<'a> NsCx<'a> {
         LabelIndex::build(views)
     }
 
-    fn entry_workload(&self, we: &'a WorkloadEntry) -> Option<Wl<'a>> {
+    fn entry_workload(&self, we: &'a WorkloadEntry) -> Option<WorkloadDraft<'a>> {
         let spec = &we.spec;
         let name = &we.metadata.name;
         let ip = spec.ip();
@@ -398,7 +280,7 @@ impl<'a> NsCx<'a> {
             w.tunnel_protocol = TunnelProtocol::Hbone as i32;
         }
         w.waypoint = waypoint_for(self.ns, self.ns_labels, labels);
-        Some(Wl {
+        Some(WorkloadDraft {
             w,
             backing: Backing::Entry(spec),
             selectable: None,
@@ -422,7 +304,7 @@ impl<'a> NsCx<'a> {
     fn services(
         &self,
         index: &LabelIndex<'a>,
-        wls: &mut Vec<Wl<'a>>,
+        wls: &mut Vec<WorkloadDraft<'a>>,
         keys: &mut Vec<String>,
         out: &mut Vec<XdsResource>,
     ) {
@@ -525,7 +407,7 @@ impl<'a> NsCx<'a> {
         by_name: &HashMap<&str, usize>,
         by_ip: &HashMap<IpAddr, usize>,
         slice_workloads: &mut HashMap<String, usize>,
-        wls: &mut Vec<Wl<'a>>,
+        wls: &mut Vec<WorkloadDraft<'a>>,
     ) {
         for ep in &slice.endpoints {
             let by_ref = ep
@@ -557,7 +439,7 @@ impl<'a> NsCx<'a> {
                         if ep.conditions.ready == Some(false) {
                             w.status = WorkloadStatus::Unhealthy as i32;
                         }
-                        wls.push(Wl {
+                        wls.push(WorkloadDraft {
                             w,
                             backing: Backing::Plain,
                             selectable: None,
@@ -599,7 +481,7 @@ impl<'a> NsCx<'a> {
     fn service_entries(
         &self,
         index: &LabelIndex<'a>,
-        wls: &mut Vec<Wl<'a>>,
+        wls: &mut Vec<WorkloadDraft<'a>>,
         keys: &mut Vec<String>,
         out: &mut Vec<XdsResource>,
     ) {
@@ -661,7 +543,7 @@ impl<'a> NsCx<'a> {
                     w.tunnel_protocol = TunnelProtocol::Hbone as i32;
                 }
                 w.waypoint = waypoint_for(self.ns, self.ns_labels, &ep.labels);
-                let mut wl = Wl {
+                let mut wl = WorkloadDraft {
                     w,
                     backing: Backing::Entry(ep),
                     selectable: None,
@@ -674,7 +556,7 @@ impl<'a> NsCx<'a> {
     }
 }
 
-fn add_entry_ports(wl: &mut Wl<'_>, se: &ServiceEntry, keys: &[u32]) {
+fn add_entry_ports(wl: &mut WorkloadDraft<'_>, se: &ServiceEntry, keys: &[u32]) {
     for p in &se.spec.ports {
         let target = match wl.backing {
             Backing::Entry(e) => e.ports.get(&p.name).copied(),
@@ -712,14 +594,6 @@ fn resolve_service_target(
             Backing::Entry(e) => e.ports.get(name).copied(),
             Backing::Plain => None,
         },
-    }
-}
-
-pub(crate) fn ip_from_bytes(b: &[u8]) -> Option<IpAddr> {
-    match b.len() {
-        4 => <[u8; 4]>::try_from(b).ok().map(IpAddr::from),
-        16 => <[u8; 16]>::try_from(b).ok().map(IpAddr::from),
-        _ => None,
     }
 }
 

@@ -1,0 +1,133 @@
+//! What every translator shares, below all of them: the workloads under
+//! construction ([`WorkloadDraft`]), what each was made from, and the
+//! per-namespace label index selectors are matched through. Translators
+//! (workloads and services, authorization, peer authentication) fill the
+//! drafts; [`super::assemble`] encodes them.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+
+use ambit_config::objects::{Labels, Pod, WorkloadEntrySpec};
+use ambit_proto::workload::{Port, Workload};
+
+/// DNS domain of the cluster (service hostnames `name.ns.svc.<suffix>`).
+pub const DOMAIN_SUFFIX: &str = "cluster.local";
+/// Namespaces whose selector-less policies apply mesh-wide.
+pub const ROOT_NAMESPACES: [&str; 2] = ["istio-system", "ambit-system"];
+/// HBONE port of waypoints.
+pub const HBONE_PORT: u32 = 15008;
+/// What a workload was made from, for per-workload target port resolution.
+#[derive(Clone, Copy)]
+pub(crate) enum Backing<'a> {
+    Pod(&'a Pod),
+    Entry(&'a WorkloadEntrySpec),
+    Plain,
+}
+
+/// A workload under construction.
+pub(crate) struct WorkloadDraft<'a> {
+    pub w: Workload,
+    pub backing: Backing<'a>,
+    /// Labels selectors see (pods and WorkloadEntries only).
+    pub selectable: Option<LabelView<'a>>,
+    /// Memberships: (index into the translation's service key table
+    /// (`namespace/hostname`), port).
+    pub services: Vec<(u32, Port)>,
+}
+
+impl WorkloadDraft<'_> {
+    pub(crate) fn add_port(&mut self, key: u32, port: Port) {
+        let dup = self
+            .services
+            .iter()
+            .any(|(k, p)| *k == key && p.service_port == port.service_port);
+        if !dup {
+            self.services.push((key, port));
+        }
+    }
+}
+
+/// Label view of a selectable workload: primary labels, then fallbacks
+/// (a WorkloadEntry's metadata labels behind its spec labels).
+#[derive(Clone, Copy)]
+pub(crate) struct LabelView<'a> {
+    /// Index into the global workload list.
+    pub idx: usize,
+    pub labels: &'a Labels,
+    pub extra: Option<&'a Labels>,
+}
+
+impl LabelView<'_> {
+    fn get(&self, k: &str) -> Option<&str> {
+        self.labels
+            .get(k)
+            .or_else(|| self.extra.and_then(|e| e.get(k)))
+            .map(String::as_str)
+    }
+
+    pub fn matches(&self, selector: &Labels) -> bool {
+        selector
+            .iter()
+            .all(|(k, v)| self.get(k) == Some(v.as_str()))
+    }
+}
+
+/// Label index over the selectable workloads (pods, WorkloadEntries) of one
+/// namespace.
+pub(crate) struct LabelIndex<'a> {
+    pub views: Vec<LabelView<'a>>,
+    postings: HashMap<(&'a str, &'a str), Vec<u32>>,
+}
+
+impl<'a> LabelIndex<'a> {
+    pub(crate) fn build(views: Vec<LabelView<'a>>) -> Self {
+        let mut postings: HashMap<(&str, &str), Vec<u32>> = HashMap::new();
+        for (i, v) in views.iter().enumerate() {
+            let extra = v.extra.into_iter().flatten();
+            for (k, val) in v.labels.iter().chain(extra) {
+                let list = postings.entry((k.as_str(), val.as_str())).or_default();
+                if list.last() != Some(&(i as u32)) {
+                    list.push(i as u32);
+                }
+            }
+        }
+        Self { views, postings }
+    }
+
+    /// Indices (into the global workload list) of workloads matching a
+    /// non-empty selector; an empty selector selects all.
+    pub fn select(&self, selector: &Labels) -> Vec<usize> {
+        if selector.is_empty() {
+            return self.views.iter().map(|v| v.idx).collect();
+        }
+        let mut best: Option<&Vec<u32>> = None;
+        for (k, v) in selector {
+            match self.postings.get(&(k.as_str(), v.as_str())) {
+                None => return Vec::new(),
+                Some(list) if best.is_none_or(|b| list.len() < b.len()) => best = Some(list),
+                Some(_) => {}
+            }
+        }
+        best.into_iter()
+            .flatten()
+            .map(|&i| self.views[i as usize])
+            .filter(|v| v.matches(selector))
+            .map(|v| v.idx)
+            .collect()
+    }
+}
+
+pub(crate) fn ip_bytes(ip: IpAddr) -> Vec<u8> {
+    match ip {
+        IpAddr::V4(a) => a.octets().to_vec(),
+        IpAddr::V6(a) => a.octets().to_vec(),
+    }
+}
+
+pub(crate) fn ip_from_bytes(b: &[u8]) -> Option<IpAddr> {
+    match b.len() {
+        4 => <[u8; 4]>::try_from(b).ok().map(IpAddr::from),
+        16 => <[u8; 16]>::try_from(b).ok().map(IpAddr::from),
+        _ => None,
+    }
+}
