@@ -15,10 +15,10 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
-use super::netns::{NetnsId, NetnsSockets, PodNetns, UNSPECIFIED, listener_socket};
-use super::zds::{InpodCommand, InpodEvent};
 use crate::drain::{self, DRAIN_DEADLINE, DrainTrigger, DrainWatcher};
 use crate::proxy::{self, PodConnections, ProxyContext};
+use ambit_inpod::netns::{UNSPECIFIED, listener_socket};
+use ambit_inpod::{InpodCommand, InpodEvent, NetnsId, NetnsSockets, PodNetns};
 
 /// Why a pod could not be set up; the text goes back in the ZDS ack.
 #[derive(Debug, thiserror::Error)]
@@ -101,7 +101,7 @@ pub type PodSet = BTreeMap<String, PodSummary>;
 /// Handle to a running [`InpodManager`].
 #[derive(Debug)]
 pub struct InpodHandle {
-    /// Give this to [`super::zds::ZdsClient::new`].
+    /// Give this to [`ambit_inpod::ZdsClient::new`].
     pub commands: mpsc::Sender<InpodCommand>,
     /// The pod set, updated before each ack is sent.
     pub pods: watch::Receiver<PodSet>,

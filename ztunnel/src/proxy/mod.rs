@@ -42,9 +42,9 @@ use crate::hbone::{ClientError, PoolError, ServerError, TlsError, client_config,
 use crate::identity::{
     CertificateManager, Identity, IdentityError, TrustBundle, WorkloadCertificate,
 };
-use crate::inpod::{NetnsSockets, SocketOptions, ZTUNNEL_MARK};
 use crate::rbac::PolicyCache;
 use crate::state::{StateReader, StateSnapshot, Workload};
+use ambit_inpod::{NetnsSockets, SocketOptions, ZTUNNEL_MARK};
 
 use self::metrics::{PeerInfo, TcpMetrics};
 

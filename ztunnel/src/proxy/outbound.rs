@@ -17,8 +17,8 @@ use super::{
     workload_identity,
 };
 use crate::hbone::{DialFuture, Dialer, PoolKey};
-use crate::inpod::{NetnsSockets, SocketOptions};
 use crate::state::{Service, Workload};
+use ambit_inpod::{NetnsSockets, SocketOptions};
 
 /// Serves the pod's outbound listener until the pod drains.
 pub async fn serve(listener: TcpListener, pod: Arc<Pod>, ctx: Arc<ProxyContext>) {
