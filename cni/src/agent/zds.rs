@@ -38,19 +38,20 @@ pub enum ZdsServerError {
     Refused { what: String, reason: String },
 }
 
-/// A connected ztunnel.
+/// One connected ztunnel, as the node agent talks to it (requests are
+/// serialized on the connection and acked one at a time).
 #[derive(Clone)]
-pub struct Ztunnel {
+pub struct ZtunnelConnection {
     conn: Arc<Mutex<ZdsAgentConn>>,
 }
 
-impl std::fmt::Debug for Ztunnel {
+impl std::fmt::Debug for ZtunnelConnection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Ztunnel")
+        f.write_str("ZtunnelConnection")
     }
 }
 
-impl Ztunnel {
+impl ZtunnelConnection {
     /// Sends one request (with the pod's netns fd for `Add`) and waits for
     /// the ack on a blocking thread.
     pub async fn request(
@@ -119,7 +120,7 @@ impl Ztunnel {
 /// Binds `path` (replacing a stale socket) and accepts ztunnels on a
 /// dedicated thread, sending each to `tx`. The thread ends when `tx`'s
 /// receiver is gone.
-pub fn serve(path: &Path, tx: mpsc::Sender<Ztunnel>) -> Result<(), ZdsServerError> {
+pub fn serve(path: &Path, tx: mpsc::Sender<ZtunnelConnection>) -> Result<(), ZdsServerError> {
     let listen_err = |reason: String| ZdsServerError::Listen {
         path: path.to_path_buf(),
         reason,
@@ -145,7 +146,7 @@ pub fn serve(path: &Path, tx: mpsc::Sender<Ztunnel>) -> Result<(), ZdsServerErro
                 match listener.accept(ACK_TIMEOUT) {
                     Ok(conn) => {
                         tracing::info!(socket = %shown, "ztunnel connected");
-                        let z = Ztunnel {
+                        let z = ZtunnelConnection {
                             conn: Arc::new(Mutex::new(conn)),
                         };
                         if tx.blocking_send(z).is_err() {
