@@ -7,11 +7,11 @@
 //! — `error` empty on success, otherwise the reason. After a (re)connect the
 //! agent sends every pod it has (add or keep), then `SnapshotSent`.
 //!
-//! * [`message`]: encoding and decoding of the protobuf messages;
-//! * [`seqpacket`]: the framing (datagrams and their fds);
-//! * [`client`]: ztunnel's end ([`ZdsClient`]), which hands each request to
+//! * `message.rs`: encoding and decoding of the protobuf messages;
+//! * `seqpacket.rs`: the framing (datagrams and their fds);
+//! * `client.rs`: ztunnel's end ([`ZdsClient`]), which hands each request to
 //!   the owner of ztunnel's pods as an [`InpodCommand`];
-//! * [`agent`]: the node agent's end ([`ZdsListener`], [`ZdsAgentConn`]).
+//! * `agent.rs`: the node agent's end ([`ZdsListener`], [`ZdsAgentConn`]).
 
 mod agent;
 mod client;
