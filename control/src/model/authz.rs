@@ -29,7 +29,7 @@ use super::objects::{
 };
 use super::snapshot::XdsResource;
 use super::store::NamespaceObjects;
-use super::translate::{LabelIndex, ROOT_NAMESPACES, Wl};
+use super::translate::{LabelIndex, ROOT_NAMESPACES, WorkloadDraft};
 
 /// Translates the namespace's policies, attaches selector policies to the
 /// namespace's workloads and collects root-namespace selector policies (which
@@ -38,7 +38,7 @@ pub(crate) fn translate_namespace<'a>(
     ns: &str,
     objs: &'a NamespaceObjects,
     index: &LabelIndex<'_>,
-    wls: &mut [Wl<'_>],
+    wls: &mut [WorkloadDraft<'_>],
     out: &mut Vec<XdsResource>,
     root: &mut Vec<(String, &'a Labels)>,
 ) {
@@ -68,7 +68,7 @@ pub(crate) fn translate_namespace<'a>(
 
 /// Attaches root-namespace selector policies to matching pods and
 /// WorkloadEntries of every namespace.
-pub(crate) fn apply_root_policies(root: &[(String, &Labels)], wls: &mut [Wl<'_>]) {
+pub(crate) fn apply_root_policies(root: &[(String, &Labels)], wls: &mut [WorkloadDraft<'_>]) {
     if root.is_empty() {
         return;
     }

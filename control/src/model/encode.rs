@@ -9,12 +9,12 @@ use prost::Message;
 use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
 
 use super::snapshot::XdsResource;
-use super::translate::{Wl, ip_from_bytes};
+use super::translate::{WorkloadDraft, ip_from_bytes};
 
 /// Encodes a finished workload as an `Address`. The `services` map is
 /// encoded in key order, so equal workloads always encode to equal bytes
 /// (and versions); prost would follow `HashMap` order.
-pub(crate) fn workload_resource(wl: Wl<'_>, keys: &[String]) -> XdsResource {
+pub(crate) fn workload_resource(wl: WorkloadDraft<'_>, keys: &[String]) -> XdsResource {
     let w = wl.w;
     let aliases = w
         .addresses

@@ -35,7 +35,7 @@ use ambit_proto::security::{
 use super::objects::{Labels, MtlsMode, PeerAuthentication};
 use super::snapshot::XdsResource;
 use super::store::Store;
-use super::translate::{ROOT_NAMESPACES, Wl};
+use super::translate::{ROOT_NAMESPACES, WorkloadDraft};
 
 /// Name of the shared STRICT policy (Istio's).
 pub const STATIC_STRICT_NAME: &str = "istio_converted_static_strict";
@@ -168,7 +168,7 @@ struct NsPolicies<'a> {
 
 /// Resolves every workload's effective mode, names the converted policies in
 /// their `authorization_policies` and appends the policies used to `out`.
-pub(crate) fn apply(store: &Store, wls: &mut [Wl<'_>], out: &mut Vec<XdsResource>) {
+pub(crate) fn apply(store: &Store, wls: &mut [WorkloadDraft<'_>], out: &mut Vec<XdsResource>) {
     let mut mesh = None;
     for root in ROOT_NAMESPACES {
         if mesh.is_some() {

@@ -48,8 +48,10 @@ pub(crate) enum Backing<'a> {
     Plain,
 }
 
-/// A workload under construction.
-pub(crate) struct Wl<'a> {
+/// A workload under construction: the xDS `Workload` plus what translation
+/// still needs (its source object, selectable labels, service memberships)
+/// before it is encoded.
+pub(crate) struct WorkloadDraft<'a> {
     pub w: Workload,
     pub backing: Backing<'a>,
     /// Labels selectors see (pods and WorkloadEntries only).
@@ -59,7 +61,7 @@ pub(crate) struct Wl<'a> {
     pub services: Vec<(u32, Port)>,
 }
 
-impl Wl<'_> {
+impl WorkloadDraft<'_> {
     fn add_port(&mut self, key: u32, port: Port) {
         let dup = self
             .services
@@ -143,7 +145,7 @@ impl<'a> LabelIndex<'a> {
 
 /// Translates the whole store.
 pub fn translate(store: &Store, opts: &ModelOptions) -> Translated {
-    let mut wls: Vec<Wl> = Vec::new();
+    let mut wls: Vec<WorkloadDraft> = Vec::new();
     let mut out = Translated::default();
     let mut root_policies = Vec::new();
     let mut keys: Vec<String> = Vec::new();
@@ -315,7 +317,7 @@ impl<'a> NsCx<'a> {
 
     /// Builds the pods' and WorkloadEntries' workloads and the namespace's
     /// label index over them.
-    fn workloads(&self, wls: &mut Vec<Wl<'a>>) -> LabelIndex<'a> {
+    fn workloads(&self, wls: &mut Vec<WorkloadDraft<'a>>) -> LabelIndex<'a> {
         let mut views = Vec::with_capacity(self.objs.pods.len() + self.objs.workload_entries.len());
         for pod in self.objs.pods.values() {
             if pod.spec.host_network || pod.is_terminal() {
@@ -351,7 +353,7 @@ impl<'a> NsCx<'a> {
                 extra: None,
             };
             views.push(view);
-            wls.push(Wl {
+            wls.push(WorkloadDraft {
                 w,
                 backing: Backing::Pod(pod),
                 selectable: Some(view),
@@ -373,7 +375,7 @@ impl<'a> NsCx<'a> {
         LabelIndex::build(views)
     }
 
-    fn entry_workload(&self, we: &'a WorkloadEntry) -> Option<Wl<'a>> {
+    fn entry_workload(&self, we: &'a WorkloadEntry) -> Option<WorkloadDraft<'a>> {
         let spec = &we.spec;
         let name = &we.metadata.name;
         let ip = spec.ip();
@@ -407,7 +409,7 @@ impl<'a> NsCx<'a> {
             w.tunnel_protocol = TunnelProtocol::Hbone as i32;
         }
         w.waypoint = waypoint_for(self.ns, self.ns_labels, labels);
-        Some(Wl {
+        Some(WorkloadDraft {
             w,
             backing: Backing::Entry(spec),
             selectable: None,
@@ -431,7 +433,7 @@ impl<'a> NsCx<'a> {
     fn services(
         &self,
         index: &LabelIndex<'a>,
-        wls: &mut Vec<Wl<'a>>,
+        wls: &mut Vec<WorkloadDraft<'a>>,
         keys: &mut Vec<String>,
         out: &mut Vec<XdsResource>,
     ) {
@@ -534,7 +536,7 @@ impl<'a> NsCx<'a> {
         by_name: &HashMap<&str, usize>,
         by_ip: &HashMap<IpAddr, usize>,
         slice_workloads: &mut HashMap<String, usize>,
-        wls: &mut Vec<Wl<'a>>,
+        wls: &mut Vec<WorkloadDraft<'a>>,
     ) {
         for ep in &slice.endpoints {
             let by_ref = ep
@@ -566,7 +568,7 @@ impl<'a> NsCx<'a> {
                         if ep.conditions.ready == Some(false) {
                             w.status = WorkloadStatus::Unhealthy as i32;
                         }
-                        wls.push(Wl {
+                        wls.push(WorkloadDraft {
                             w,
                             backing: Backing::Plain,
                             selectable: None,
@@ -608,7 +610,7 @@ impl<'a> NsCx<'a> {
     fn service_entries(
         &self,
         index: &LabelIndex<'a>,
-        wls: &mut Vec<Wl<'a>>,
+        wls: &mut Vec<WorkloadDraft<'a>>,
         keys: &mut Vec<String>,
         out: &mut Vec<XdsResource>,
     ) {
@@ -670,7 +672,7 @@ impl<'a> NsCx<'a> {
                     w.tunnel_protocol = TunnelProtocol::Hbone as i32;
                 }
                 w.waypoint = waypoint_for(self.ns, self.ns_labels, &ep.labels);
-                let mut wl = Wl {
+                let mut wl = WorkloadDraft {
                     w,
                     backing: Backing::Entry(ep),
                     selectable: None,
@@ -683,7 +685,7 @@ impl<'a> NsCx<'a> {
     }
 }
 
-fn add_entry_ports(wl: &mut Wl<'_>, se: &ServiceEntry, keys: &[u32]) {
+fn add_entry_ports(wl: &mut WorkloadDraft<'_>, se: &ServiceEntry, keys: &[u32]) {
     for p in &se.spec.ports {
         let target = match wl.backing {
             Backing::Entry(e) => e.ports.get(&p.name).copied(),
