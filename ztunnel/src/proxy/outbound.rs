@@ -239,7 +239,7 @@ mod tests {
     #[test]
     fn connect_carries_baggage_forwarded_and_traceparent() {
         let w = Workload {
-            uid: "Kubernetes//PodContext/ai/client-0".into(),
+            uid: "Kubernetes//Pod/ai/client-0".into(),
             name: "client-0".into(),
             namespace: "ai".into(),
             ips: vec![],

@@ -100,10 +100,7 @@ impl PodContext {
     /// verify) when xDS knows it, else the node agent's namespace and
     /// service account in the default trust domain.
     pub fn identity(&self, ctx: &ProxyContext, snap: &StateSnapshot) -> Identity {
-        let uid = format!(
-            "{}//PodContext/{}/{}",
-            ctx.cluster_id, self.namespace, self.name
-        );
+        let uid = format!("{}//Pod/{}/{}", ctx.cluster_id, self.namespace, self.name);
         if let Some(w) = snap.workload_by_uid(&uid) {
             return workload_identity(&w);
         }
