@@ -26,7 +26,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use ambit_ztunnel::inpod::PodNetns;
+use ambit_inpod::PodNetns;
 
 /// Why the redirection could not be read or changed.
 #[derive(Debug, thiserror::Error)]
@@ -70,9 +70,9 @@ impl Ns {
     }
 }
 
-/// `SO_MARK` of ztunnel's sockets inside pods (Istio's value). Matched with
-/// [`MARK_MASK`].
-pub const ZTUNNEL_MARK: u32 = 0x539;
+/// `SO_MARK` of ztunnel's sockets inside pods (Istio's value), the one
+/// ztunnel sets (shared through `ambit-inpod`). Matched with [`MARK_MASK`].
+pub use ambit_inpod::ZTUNNEL_MARK;
 /// Connmark given to connections ztunnel delivers into the pod; restored
 /// into the app's reply packets so they route to ztunnel's local socket.
 pub const DELIVERY_MARK: u32 = 0x111;

@@ -21,10 +21,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ambit_control::{ControlConfig, ControlPlane};
+use ambit_inpod::{ZdsAgentConn, ZdsListener, ZdsMessage};
 use ambit_proto::workload::zds::WorkloadInfo;
 use ambit_ztunnel::Ztunnel;
-use ambit_ztunnel::inpod::ZdsMessage;
-use ambit_ztunnel::inpod::zds::agent::{ZdsAgentConn, ZdsListener};
 use anyhow::{Context, Result, bail};
 use tokio::net::TcpStream;
 

@@ -12,11 +12,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ambit_inpod::SocketOptions;
 use ambit_tests::meshbed::{MeshBed, PodSpec, WAIT, metric_sum};
 use ambit_tests::netbed::{self, Capture};
 use ambit_ztunnel::hbone::{HboneClient, client_config};
 use ambit_ztunnel::identity::Identity;
-use ambit_ztunnel::inpod::SocketOptions;
 use hyper::http::{HeaderMap, StatusCode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::timeout;
@@ -340,7 +340,7 @@ async fn impostor_peer_and_foreign_connect_address_are_refused() {
     let cfg = Arc::new(client_config(&cert, &bundle, server_id.clone()).unwrap());
     let client_ns = bed.pod("client").open().unwrap();
     let opts = SocketOptions {
-        mark: Some(ambit_ztunnel::inpod::ZTUNNEL_MARK),
+        mark: Some(ambit_inpod::ZTUNNEL_MARK),
         ..SocketOptions::default()
     };
     let tcp = client_ns

@@ -40,12 +40,11 @@ const MAY_DEPEND_ON_EVERYTHING: [&str; 3] = ["ambitctl", "ambit-tests", "ambit-b
 /// The CLI: nested in `control/` but not a shared crate.
 const CLI: &str = "ambitctl";
 
-/// Edges that break the rule today and are being removed by work in progress
-/// (`cni` still uses the control plane's config model and ztunnel's in-pod
-/// protocol). EMPTY THIS LIST once the config crate (`control/config`) and the
-/// in-pod crate (`ztunnel/inpod`) land. Each entry must still exist and still
-/// be forbidden, or the test fails, so the list cannot go stale.
-const PENDING_EDGES: &[(&str, &str)] = &[("ambit-cni", "ambit-ztunnel")];
+/// Edges that break the rule and are known to be on their way out; empty
+/// now that the config and in-pod crates have landed. An entry must still
+/// exist and still be forbidden, or the test fails, so the list cannot go
+/// stale.
+const PENDING_EDGES: &[(&str, &str)] = &[];
 
 #[test]
 fn the_workspace_keeps_the_dependency_rule() {

@@ -6,8 +6,8 @@
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
+use ambit_inpod::SocketOptions;
 use ambit_tests::netbed::{self, Capture, Cluster, PodNet, RedirectPorts, redirect};
-use ambit_ztunnel::inpod::SocketOptions;
 use anyhow::{Context, Result};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -63,7 +63,7 @@ fn ns_lines(ns: &str, cmd: &[&str]) -> String {
 
 #[test]
 fn mark_matches_ztunnel() {
-    assert_eq!(netbed::ZTUNNEL_MARK, ambit_ztunnel::inpod::ZTUNNEL_MARK);
+    assert_eq!(netbed::ZTUNNEL_MARK, ambit_inpod::ZTUNNEL_MARK);
     assert_eq!(RedirectPorts::default().outbound, 15001);
 }
 

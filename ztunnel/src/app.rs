@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ambit_inpod::{ZdsClient, ZdsClientConfig};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{Instrument, info, info_span, warn};
@@ -19,7 +20,7 @@ use crate::drain::{self, DRAIN_DEADLINE, DrainTrigger, DrainWatcher};
 use crate::hbone::HbonePool;
 use crate::identity::IdentityError;
 use crate::identity::{CertificateManager, Identity};
-use crate::inpod::{InpodConfig, InpodManager, PodSet, ZdsClient, ZdsClientConfig};
+use crate::inpod::{InpodConfig, InpodManager, PodSet};
 use crate::metrics::Metrics;
 use crate::proxy::{ProxyConfig, ProxyContext, workload_identity};
 use crate::rbac::PolicyCache;
@@ -139,7 +140,7 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
         pods = inpod.pods.clone();
         let zds = ZdsClient::new(ZdsClientConfig::new(path), inpod.commands);
         tasks.push(tokio::spawn(
-            zds.run(watcher.clone()).instrument(span.clone()),
+            zds.run(watcher.clone().wait()).instrument(span.clone()),
         ));
         tasks.push(tokio::spawn(
             async move {

@@ -79,7 +79,7 @@ pub struct Config {
     /// Unix socket of the node agent (ZDS), which hands enrolled pods to
     /// this ztunnel. Set it to an empty string to run without in-pod
     /// capture (xDS, certificates and admin only).
-    #[arg(long, env = "ZDS_PATH", default_value = crate::inpod::DEFAULT_ZDS_PATH,
+    #[arg(long, env = "ZDS_PATH", default_value = ambit_inpod::DEFAULT_ZDS_PATH,
           value_parser = clap::builder::OsStringValueParser::new().map(PathBuf::from))]
     pub zds_path: PathBuf,
 
@@ -105,7 +105,7 @@ impl Config {
             readiness_addr: parse_default(DEFAULT_READINESS_ADDR, 15021),
             cluster_id: DEFAULT_CLUSTER_ID.to_string(),
             network: String::new(),
-            zds_path: PathBuf::from(crate::inpod::DEFAULT_ZDS_PATH),
+            zds_path: PathBuf::from(ambit_inpod::DEFAULT_ZDS_PATH),
             inbound_transparent: true,
         }
     }

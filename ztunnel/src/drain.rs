@@ -46,6 +46,12 @@ impl DrainWatcher {
         let _ = rx.wait_for(|draining| *draining).await;
     }
 
+    /// Like [`DrainWatcher::signaled`], owning the watcher: a `'static`
+    /// shutdown future for APIs that take one (e.g. `ambit_inpod::ZdsClient::run`).
+    pub async fn wait(self) {
+        self.signaled().await
+    }
+
     /// True once draining has started.
     pub fn is_draining(&self) -> bool {
         *self.rx.borrow() || self.rx.has_changed().is_err()

@@ -1,11 +1,25 @@
-//! Ambit's node proxy (ztunnel) as a library: the xDS client, the state it
-//! feeds, the admin/stats/readiness servers, and [`start`] to run them all.
+//! Ambit's node proxy (ztunnel) as a library, and [`start`] to run it all.
 //!
 //! ```text
-//! control plane ──Delta ADS──▶ xds::XdsClient ──publish──▶ state (ArcSwap)
-//!                                                          │
-//!                        admin /config_dump, data path ◀───┘ (readers never block)
+//! control plane ──Delta ADS──▶ xds::XdsClient ──publish──▶ state (ArcSwap) ──▶ admin /config_dump
+//!           └──CSR──▶ CA ◀── identity::CertificateManager           │ (readers never block)
+//!                                   │ certs, trust bundle            ▼
+//! node agent ──ZDS──▶ inpod (listeners in each pod netns) ──▶ proxy (outbound, inbound) ──HBONE──▶ peers
+//!                                                               │ rbac (policy), metrics, access log
 //! ```
+//!
+//! * [`xds`]: the workload xDS client; [`state`]: the indexed snapshots it
+//!   publishes; [`control_channel`]: the gRPC channel to the control plane.
+//! * [`identity`]: workload certificates (keys made here, CSRs to the CA,
+//!   renewal) and the trust bundle.
+//! * [`inpod`]: the per-pod listeners opened inside each enrolled pod's
+//!   netns, fed by ZDS (the protocol and netns helpers are the
+//!   `ambit-inpod` crate, shared with the node agent).
+//! * [`proxy`]: the outbound and inbound proxies; [`hbone`]: mTLS + HTTP/2
+//!   `CONNECT` tunnels and the connection pool; [`copy`]: the byte relay;
+//!   [`rbac`]: L4 authorization; [`drain`]: graceful shutdown.
+//! * [`metrics`] (`/metrics`) and [`admin`] (`/config_dump`, `/logging`,
+//!   readiness); [`app`] wires everything together.
 #![forbid(unsafe_code)]
 
 pub mod admin;

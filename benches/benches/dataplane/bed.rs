@@ -21,10 +21,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ambit_control::{ControlConfig, ControlPlane};
+use ambit_inpod::{ZdsAgentConn, ZdsListener, ZdsMessage};
 use ambit_proto::workload::zds::WorkloadInfo;
 use ambit_tests::netbed::{self, Cluster, PodNet, redirect};
-use ambit_ztunnel::inpod::ZdsMessage;
-use ambit_ztunnel::inpod::zds::agent::{ZdsAgentConn, ZdsListener};
 use anyhow::{Context, Result, bail};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::{JoinHandle, JoinSet};

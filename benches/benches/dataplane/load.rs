@@ -16,9 +16,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use ambit_inpod::{NetnsSockets, SocketOptions, ZTUNNEL_MARK};
 use ambit_tests::netbed::{self, PodNet};
 use ambit_ztunnel::hbone::HboneClient;
-use ambit_ztunnel::inpod::{NetnsSockets, SocketOptions, ZTUNNEL_MARK};
 use anyhow::{Context, Result, bail};
 use hyper::http::HeaderMap;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, watch};
 
 use super::Event;
 use super::view::MeshView;
-use super::zds::{ZdsServerError, Ztunnel};
+use super::zds::{ZdsServerError, ZtunnelConnection};
 use crate::protocol::{Command, PodRef, Reply, Request};
 use crate::redirect::{self, RedirectPorts};
 
@@ -96,7 +96,7 @@ struct AgentTask {
     table: PodTable,
     ports: RedirectPorts,
     view: Arc<MeshView>,
-    ztunnel: Option<Ztunnel>,
+    ztunnel: Option<ZtunnelConnection>,
     zds_socket: PathBuf,
 }
 
@@ -105,7 +105,7 @@ pub(super) async fn run(
     ports: RedirectPorts,
     mut view_rx: watch::Receiver<Arc<MeshView>>,
     mut events: mpsc::Receiver<Event>,
-    mut ztunnels: mpsc::Receiver<Ztunnel>,
+    mut ztunnels: mpsc::Receiver<ZtunnelConnection>,
     zds_socket: PathBuf,
 ) {
     let view = view_rx.borrow_and_update().clone();
@@ -145,7 +145,7 @@ pub(super) async fn run(
 }
 
 impl AgentTask {
-    fn ztunnel(&self) -> Result<&Ztunnel, ZdsServerError> {
+    fn ztunnel(&self) -> Result<&ZtunnelConnection, ZdsServerError> {
         self.ztunnel
             .as_ref()
             .ok_or_else(|| ZdsServerError::NotConnected(self.zds_socket.clone()))

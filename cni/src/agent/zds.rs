@@ -8,9 +8,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use ambit_inpod::{ZdsAgentConn, ZdsListener, ZdsMessage};
 use ambit_proto::workload::zds::WorkloadInfo;
-use ambit_ztunnel::inpod::ZdsMessage;
-use ambit_ztunnel::inpod::zds::agent::{ZdsAgentConn, ZdsListener};
 use tokio::sync::mpsc;
 
 /// How long ztunnel has to answer one request.
@@ -39,19 +38,20 @@ pub enum ZdsServerError {
     Refused { what: String, reason: String },
 }
 
-/// A connected ztunnel.
+/// One connected ztunnel, as the node agent talks to it (requests are
+/// serialized on the connection and acked one at a time).
 #[derive(Clone)]
-pub struct Ztunnel {
+pub struct ZtunnelConnection {
     conn: Arc<Mutex<ZdsAgentConn>>,
 }
 
-impl std::fmt::Debug for Ztunnel {
+impl std::fmt::Debug for ZtunnelConnection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Ztunnel")
+        f.write_str("ZtunnelConnection")
     }
 }
 
-impl Ztunnel {
+impl ZtunnelConnection {
     /// Sends one request (with the pod's netns fd for `Add`) and waits for
     /// the ack on a blocking thread.
     pub async fn request(
@@ -120,7 +120,7 @@ impl Ztunnel {
 /// Binds `path` (replacing a stale socket) and accepts ztunnels on a
 /// dedicated thread, sending each to `tx`. The thread ends when `tx`'s
 /// receiver is gone.
-pub fn serve(path: &Path, tx: mpsc::Sender<Ztunnel>) -> Result<(), ZdsServerError> {
+pub fn serve(path: &Path, tx: mpsc::Sender<ZtunnelConnection>) -> Result<(), ZdsServerError> {
     let listen_err = |reason: String| ZdsServerError::Listen {
         path: path.to_path_buf(),
         reason,
@@ -146,21 +146,18 @@ pub fn serve(path: &Path, tx: mpsc::Sender<Ztunnel>) -> Result<(), ZdsServerErro
                 match listener.accept(ACK_TIMEOUT) {
                     Ok(conn) => {
                         tracing::info!(socket = %shown, "ztunnel connected");
-                        let z = Ztunnel {
+                        let z = ZtunnelConnection {
                             conn: Arc::new(Mutex::new(conn)),
                         };
                         if tx.blocking_send(z).is_err() {
                             return;
                         }
                     }
+                    // Timeouts are how the loop notices shutdown.
+                    Err(e) if e.is_timeout() => {}
                     Err(e) => {
-                        let text = e.to_string();
-                        // Timeouts are how the loop notices shutdown.
-                        if !text.contains("timed out") && !text.contains("temporarily unavailable")
-                        {
-                            tracing::warn!(socket = %shown, error = %text, "ZDS accept failed");
-                            std::thread::sleep(Duration::from_millis(100));
-                        }
+                        tracing::warn!(socket = %shown, error = %e, "ZDS accept failed");
+                        std::thread::sleep(Duration::from_millis(100));
                     }
                 }
             }

@@ -38,7 +38,7 @@ struct Args {
     #[arg(long, env = "CNI_SOCKET", default_value = DEFAULT_AGENT_SOCKET)]
     cni_socket: PathBuf,
     /// Socket ztunnel connects to (ZDS).
-    #[arg(long, env = "ZDS_SOCKET", default_value = ambit_ztunnel::inpod::DEFAULT_ZDS_PATH)]
+    #[arg(long, env = "ZDS_SOCKET", default_value = ambit_inpod::DEFAULT_ZDS_PATH)]
     zds_socket: PathBuf,
     /// Directory the container runtime execs CNI plugins from.
     #[arg(long, env = "CNI_BIN_DIR", default_value = "/opt/cni/bin")]

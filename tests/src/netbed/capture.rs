@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use ambit_ztunnel::inpod::PodNetns;
+use ambit_inpod::PodNetns;
 use anyhow::{Context, Result};
 use socket2::{Domain, Protocol, Socket, Type};
 

@@ -29,6 +29,7 @@ use tracing::{debug, info, warn};
 use tracing_subscriber::EnvFilter;
 
 use crate::drain::{DrainWatcher, run_until_drained};
+use crate::identity::CertificateDump;
 use crate::metrics::Metrics;
 use crate::state::StateReader;
 
@@ -242,7 +243,7 @@ pub(crate) fn route(
                 let certs = ctx
                     .certificates
                     .as_ref()
-                    .map(|c| c.certificates())
+                    .map(|c| CertificateDump::list(&c.view()))
                     .unwrap_or_default();
                 match serde_json::to_vec_pretty(&config_dump(&snap, certs)) {
                     Ok(json) => with_type(

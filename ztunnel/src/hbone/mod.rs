@@ -15,17 +15,18 @@
 //!   `CONNECT ip:port` passes, and an authorization callback decides
 //!   whether the address and the caller are acceptable.
 //! * [`client`]: one connection to a peer's :15008, many concurrent streams.
+//! * [`pool`]: the outbound connections the proxies share, keyed by
+//!   [`PoolKey`] (source and destination identity, destination IP, source
+//!   pod IP), with a per-connection stream limit, coalesced dials, one retry
+//!   on a fresh connection when a reused one turns out broken, and an idle
+//!   reaper; it dials through a [`Dialer`] (from inside the source pod on
+//!   the data path).
 //! * [`H2Stream`]: a stream as `AsyncRead + AsyncWrite`, flow-controlled.
 //!
 //! Windows are large ([`STREAM_WINDOW`], [`CONNECTION_WINDOW`]) so one
-//! stream can fill a fast link despite HTTP/2 flow control.
-//!
-//! TODO(data plane): a connection pool keyed by (source identity,
-//! destination identity, destination IP) on top of [`HboneConnection`]:
-//! reuse while [`HboneConnection::is_usable`], a per-connection stream
-//! limit, an idle timeout, and never hand out a broken connection. Then the
-//! in-pod listeners (15001/15006/15008), metrics and access logs, and drain
-//! on shutdown.
+//! stream can fill a fast link despite HTTP/2 flow control. The in-pod
+//! listeners, metrics and drain that use these pieces live in
+//! [`crate::proxy`] and [`crate::inpod`].
 #![forbid(unsafe_code)]
 
 pub mod client;

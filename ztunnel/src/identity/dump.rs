@@ -1,10 +1,11 @@
-//! The `certificates` section of `/config_dump`.
+//! The `certificates` section of `/config_dump`, read from the certificate
+//! manager's [`CertificateView`].
 
 use serde::Serialize;
 
 use super::Identity;
 use super::cert::rfc3339;
-use super::manager::Slot;
+use super::view::{CertificateState, CertificateView};
 
 /// One managed identity as shown by `/config_dump`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -32,16 +33,27 @@ pub struct CertificateDump {
 }
 
 impl CertificateDump {
-    pub(crate) fn new(id: &Identity, slot: &Slot) -> Self {
-        let cert = slot.cert.as_ref();
+    /// One entry per managed identity, sorted by SPIFFE id.
+    pub fn list(view: &CertificateView) -> Vec<Self> {
+        let mut out: Vec<Self> = view
+            .states()
+            .iter()
+            .map(|(id, state)| Self::new(id, state))
+            .collect();
+        out.sort_by(|a, b| a.identity.cmp(&b.identity));
+        out
+    }
+
+    fn new(id: &Identity, state: &CertificateState) -> Self {
+        let cert = state.cert.as_ref();
         Self {
             identity: id.to_string(),
-            state: slot.state(),
+            state: state.summary(),
             serial: cert.map(|c| c.serial_hex()),
             not_before: cert.map(|c| rfc3339(c.not_before)),
             not_after: cert.map(|c| rfc3339(c.not_after)),
             chain: cert.map(|c| c.chain_subjects.clone()).unwrap_or_default(),
-            last_error: slot.last_error.clone(),
+            last_error: state.last_error.clone(),
         }
     }
 }

@@ -1,17 +1,18 @@
 //! [`CertificateManager`]: fetches, caches and renews workload certificates.
 //!
 //! Ownership: the manager actor task is the only writer of the identity map
-//! (published as an `ArcSwap` view) and of the trust bundle (a watch
+//! (published as a [`CertificateView`]) and of the trust bundle (a watch
 //! channel); each identity's worker task is the only writer of that
-//! identity's slot (a watch channel). Readers only load/borrow, never wait
-//! on a lock, and no lock is held across an await.
+//! identity's [`CertificateState`] (a watch channel). Readers only
+//! load/borrow, never wait on a lock, and no lock is held across an await.
+//! The `/config_dump` section and the expiry metric read the view; this
+//! module does not know them.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
 use prometheus_client::registry::Registry;
 use rand::Rng;
 use rustls_pki_types::CertificateDer;
@@ -21,8 +22,8 @@ use tokio::time::Instant;
 
 use super::ca_client::{CaClient, GrpcCaClient};
 use super::cert::{TrustBundle, WorkloadCertificate, generate_key_and_csr};
-use super::dump::CertificateDump;
 use super::metrics::{ExpiryCollector, IdentityMetrics};
+use super::view::{self, CertificateState, CertificateView, IdentityMap, ViewPublisher};
 use super::{Identity, IdentityError};
 
 /// Settings of the certificate manager.
@@ -68,50 +69,11 @@ impl IdentityConfig {
 /// Renewal never happens sooner than this after an issuance.
 const MIN_REFRESH: Duration = Duration::from_secs(1);
 
-/// One identity's state, written only by its worker.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Slot {
-    /// The newest certificate (possibly expired by now).
-    pub(crate) cert: Option<Arc<WorkloadCertificate>>,
-    /// The error of the last attempt, if it failed.
-    pub(crate) last_error: Option<String>,
-    /// Whether at least one attempt has finished.
-    pub(crate) attempted: bool,
-}
-
-impl Slot {
-    fn usable(&self) -> Option<&Arc<WorkloadCertificate>> {
-        self.cert.as_ref().filter(|c| c.is_valid())
-    }
-
-    fn unavailable_reason(&self) -> String {
-        match (&self.cert, &self.last_error) {
-            (_, Some(e)) => e.clone(),
-            (Some(_), None) => "the certificate expired".to_string(),
-            (None, None) => "no certificate yet".to_string(),
-        }
-    }
-
-    /// `Available`, `Initializing` or `Unavailable: <why>`.
-    pub(crate) fn state(&self) -> String {
-        if self.usable().is_some() {
-            "Available".to_string()
-        } else if !self.attempted {
-            "Initializing".to_string()
-        } else {
-            format!("Unavailable: {}", self.unavailable_reason())
-        }
-    }
-}
-
-/// The published identity map.
-pub(crate) type View = HashMap<Identity, watch::Receiver<Slot>>;
-
 enum Command {
-    /// Start managing `id` if not yet; reply with its slot.
+    /// Start managing `id` if not yet; reply with its state watch.
     Ensure {
         id: Identity,
-        reply: Option<oneshot::Sender<watch::Receiver<Slot>>>,
+        reply: Option<oneshot::Sender<watch::Receiver<CertificateState>>>,
     },
     /// Stop managing `id`.
     Forget(Identity),
@@ -136,7 +98,7 @@ struct Shared {
 #[derive(Clone)]
 pub struct CertificateManager {
     commands: mpsc::UnboundedSender<Command>,
-    view: Arc<ArcSwap<View>>,
+    view: CertificateView,
     bundle: watch::Receiver<Arc<TrustBundle>>,
     shared: Arc<Shared>,
 }
@@ -144,7 +106,7 @@ pub struct CertificateManager {
 impl std::fmt::Debug for CertificateManager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CertificateManager")
-            .field("identities", &self.view.load().len())
+            .field("identities", &self.view.len())
             .finish_non_exhaustive()
     }
 }
@@ -165,7 +127,7 @@ impl CertificateManager {
             permits,
             metrics: IdentityMetrics::default(),
         });
-        let view = Arc::new(ArcSwap::from_pointee(View::new()));
+        let (publisher, view) = view::channel();
         let (bundle_tx, bundle) = watch::channel(Arc::new(TrustBundle {
             roots: file_roots.clone(),
         }));
@@ -176,7 +138,7 @@ impl CertificateManager {
             weak: commands.downgrade(),
             workers: HashMap::new(),
             next_generation: 0,
-            view: view.clone(),
+            view: publisher,
             file_roots,
             roots: HashMap::new(),
             latest_root: None,
@@ -209,7 +171,7 @@ impl CertificateManager {
     /// call. Fails fast with the last error when the CA failed and no
     /// unexpired certificate is left (retries continue in the background).
     pub async fn fetch(&self, id: &Identity) -> Result<Arc<WorkloadCertificate>, IdentityError> {
-        let existing = self.view.load().get(id).cloned();
+        let existing = self.view.get(id);
         let mut rx = match existing {
             Some(rx) => rx,
             None => {
@@ -225,14 +187,14 @@ impl CertificateManager {
         };
         loop {
             {
-                let slot = rx.borrow_and_update();
-                if let Some(cert) = slot.usable() {
+                let state = rx.borrow_and_update();
+                if let Some(cert) = state.usable() {
                     return Ok(cert.clone());
                 }
-                if slot.attempted {
+                if state.attempted {
                     return Err(IdentityError::Unavailable {
                         identity: id.to_string(),
-                        reason: slot.unavailable_reason(),
+                        reason: state.unavailable_reason(),
                     });
                 }
             }
@@ -260,28 +222,18 @@ impl CertificateManager {
 
     /// The identities currently managed, sorted.
     pub fn identities(&self) -> Vec<Identity> {
-        let mut ids: Vec<Identity> = self.view.load().keys().cloned().collect();
-        ids.sort();
-        ids
+        self.view.identities()
+    }
+
+    /// A read-only view of every managed identity's certificate state (what
+    /// `/config_dump` and the expiry metric show).
+    pub fn view(&self) -> CertificateView {
+        self.view.clone()
     }
 
     /// The trust bundle, updated whenever a new root appears.
     pub fn trust_bundle(&self) -> watch::Receiver<Arc<TrustBundle>> {
         self.bundle.clone()
-    }
-
-    /// The `certificates` section of `/config_dump`, sorted by identity.
-    pub fn certificates(&self) -> Vec<CertificateDump> {
-        let view = self.view.load();
-        let mut out: Vec<CertificateDump> = view
-            .iter()
-            .map(|(id, rx)| {
-                let slot = rx.borrow().clone();
-                CertificateDump::new(id, &slot)
-            })
-            .collect();
-        out.sort_by(|a, b| a.identity.cmp(&b.identity));
-        out
     }
 
     /// The CA request metrics.
@@ -310,7 +262,7 @@ impl Drop for AbortOnDrop {
 
 struct Worker {
     generation: u64,
-    slot: watch::Receiver<Slot>,
+    state: watch::Receiver<CertificateState>,
     _task: AbortOnDrop,
 }
 
@@ -322,7 +274,7 @@ struct Actor {
     weak: mpsc::WeakUnboundedSender<Command>,
     workers: HashMap<Identity, Worker>,
     next_generation: u64,
-    view: Arc<ArcSwap<View>>,
+    view: ViewPublisher,
     file_roots: Vec<CertificateDer<'static>>,
     /// The root of each identity's current chain.
     roots: HashMap<Identity, CertificateDer<'static>>,
@@ -336,9 +288,9 @@ impl Actor {
         while let Some(cmd) = self.rx.recv().await {
             match cmd {
                 Command::Ensure { id, reply } => {
-                    let slot = self.ensure(id);
+                    let state = self.ensure(id);
                     if let Some(reply) = reply {
-                        let _ = reply.send(slot);
+                        let _ = reply.send(state);
                     }
                 }
                 Command::Forget(id) => {
@@ -374,13 +326,13 @@ impl Actor {
         // Last handle dropped: dropping `self.workers` aborts every worker.
     }
 
-    fn ensure(&mut self, id: Identity) -> watch::Receiver<Slot> {
+    fn ensure(&mut self, id: Identity) -> watch::Receiver<CertificateState> {
         if let Some(w) = self.workers.get(&id) {
-            return w.slot.clone();
+            return w.state.clone();
         }
         let generation = self.next_generation;
         self.next_generation += 1;
-        let (tx, slot) = watch::channel(Slot::default());
+        let (tx, state) = watch::channel(CertificateState::default());
         let task = tokio::spawn(run_worker(
             self.shared.clone(),
             id.clone(),
@@ -392,21 +344,21 @@ impl Actor {
             id,
             Worker {
                 generation,
-                slot: slot.clone(),
+                state: state.clone(),
                 _task: AbortOnDrop(task),
             },
         );
         self.publish_view();
-        slot
+        state
     }
 
     fn publish_view(&self) {
-        let view: View = self
+        let map: IdentityMap = self
             .workers
             .iter()
-            .map(|(id, w)| (id.clone(), w.slot.clone()))
+            .map(|(id, w)| (id.clone(), w.state.clone()))
             .collect();
-        self.view.store(Arc::new(view));
+        self.view.publish(map);
     }
 
     fn publish_bundle(&self) {
@@ -441,12 +393,12 @@ fn jitter(d: Duration) -> Duration {
     d.mul_f64(rand::rng().random_range(0.9..=1.1))
 }
 
-/// The single writer of one identity's slot: issue, renew, retry.
+/// The single writer of one identity's certificate state: issue, renew, retry.
 async fn run_worker(
     shared: Arc<Shared>,
     id: Identity,
     generation: u64,
-    tx: watch::Sender<Slot>,
+    tx: watch::Sender<CertificateState>,
     actor: mpsc::WeakUnboundedSender<Command>,
 ) {
     let cfg = &shared.cfg;
@@ -463,7 +415,7 @@ async fn run_worker(
                     "certificate issued"
                 );
                 let root = cert.root().cloned();
-                tx.send_replace(Slot {
+                tx.send_replace(CertificateState {
                     cert: Some(Arc::new(cert)),
                     last_error: None,
                     attempted: true,
@@ -488,9 +440,9 @@ async fn run_worker(
                     old_certificate_serving = old_valid,
                     "certificate request failed"
                 );
-                tx.send_modify(|slot| {
-                    slot.last_error = Some(e.to_string());
-                    slot.attempted = true;
+                tx.send_modify(|state| {
+                    state.last_error = Some(e.to_string());
+                    state.attempted = true;
                 });
                 tokio::time::sleep(wait).await;
             }

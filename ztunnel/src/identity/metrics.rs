@@ -1,4 +1,5 @@
-//! Metrics of the certificate manager.
+//! Metrics of the certificate manager. The manager records CA calls here;
+//! the expiry gauge reads the manager's [`CertificateView`] at scrape time.
 //!
 //! * `ztunnel_certificate_expiry_seconds{identity}`: seconds until each
 //!   managed certificate expires, computed at scrape time (a collector, so
@@ -6,11 +7,9 @@
 //! * `ztunnel_ca_requests_total{result="ok"|"error"}`.
 //! * `ztunnel_ca_request_duration_seconds` histogram.
 
-use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::{Duration, SystemTime};
 
-use arc_swap::ArcSwap;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::Counter;
@@ -19,7 +18,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use super::manager::View;
+use super::view::CertificateView;
 
 /// Label set `{result="ok"|"error"}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -36,8 +35,8 @@ pub struct IdentityLabel {
 }
 
 /// CA request metrics. Register with [`IdentityMetrics::register`] (the
-/// manager's [`super::CertificateManager::register_metrics`] does that and
-/// adds the expiry collector).
+/// certificate manager's `register_metrics` does that and adds the expiry
+/// collector).
 #[derive(Debug, Clone)]
 pub struct IdentityMetrics {
     /// `ztunnel_ca_requests_total{result}`.
@@ -95,15 +94,15 @@ impl IdentityMetrics {
 /// Renders `ztunnel_certificate_expiry_seconds{identity}` at scrape time.
 #[derive(Debug)]
 pub(crate) struct ExpiryCollector {
-    pub(crate) view: Arc<ArcSwap<View>>,
+    pub(crate) view: CertificateView,
 }
 
 impl Collector for ExpiryCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let family = Family::<IdentityLabel, Gauge<f64, AtomicU64>>::default();
         let now = SystemTime::now();
-        for (id, rx) in self.view.load().iter() {
-            let not_after = rx.borrow().cert.as_ref().map(|c| c.not_after);
+        for (id, state) in self.view.states() {
+            let not_after = state.cert.as_ref().map(|c| c.not_after);
             if let Some(not_after) = not_after {
                 let secs = match not_after.duration_since(now) {
                     Ok(d) => d.as_secs_f64(),

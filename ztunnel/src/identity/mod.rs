@@ -1,12 +1,16 @@
 //! Workload identities and their certificates.
 //!
 //! ```text
-//!  fetch(id) ──▶ view (ArcSwap<id → watch::Receiver<Slot>>) ──▶ cached cert
-//!      │ miss                                 ▲
-//!      ▼                                      │ one writer per identity
+//!  fetch(id) ──▶ CertificateView (ArcSwap<id → watch<CertificateState>>) ──▶ cached cert
+//!      │ miss                     ▲           ▲ read by dump.rs (/config_dump), metrics.rs (expiry)
+//!      ▼                          │ publish   │ one writer per identity
 //!  manager actor (owns the map, the trust bundle) ──spawns──▶ worker(id)
 //!                                                   key + CSR ─▶ CaClient ─▶ chain
 //! ```
+//!
+//! Direction: `manager` owns and writes the state; `view` is the read side
+//! it publishes; `dump` and `metrics` read the view and never reach into
+//! the manager (the manager records CA calls into `metrics`).
 //!
 //! * Keys are ECDSA P-256, generated here; the private key never leaves the
 //!   process. Only the CSR (one SPIFFE URI SAN) goes to the CA.
@@ -26,6 +30,7 @@ mod cert;
 mod dump;
 mod manager;
 mod metrics;
+mod view;
 
 #[cfg(test)]
 mod tests;
@@ -39,6 +44,7 @@ pub use cert::{TrustBundle, WorkloadCertificate};
 pub use dump::CertificateDump;
 pub use manager::{CertificateManager, IdentityConfig};
 pub use metrics::IdentityMetrics;
+pub use view::CertificateView;
 
 /// Errors of the identity module.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -359,7 +359,7 @@ async fn ca_outage_during_renewal_keeps_old_certificate_and_recovers() {
     // The old certificate keeps serving; the dump says why renewal lags.
     let served = mgr.fetch(&who).await.unwrap();
     assert!(Arc::ptr_eq(&served, &first));
-    let dump = mgr.certificates();
+    let dump = CertificateDump::list(&mgr.view());
     assert_eq!(dump[0].state, "Available");
     assert!(
         dump[0]
@@ -379,7 +379,11 @@ async fn ca_outage_during_renewal_keeps_old_certificate_and_recovers() {
     let err = mgr.fetch(&who).await.unwrap_err();
     assert!(matches!(err, IdentityError::Unavailable { .. }), "{err}");
     assert!(err.to_string().contains("CA is down"), "{err}");
-    assert!(mgr.certificates()[0].state.starts_with("Unavailable: "));
+    assert!(
+        CertificateDump::list(&mgr.view())[0]
+            .state
+            .starts_with("Unavailable: ")
+    );
     // The backoff is capped.
     let log = fake.call_log();
     let gaps: Vec<Duration> = log.windows(2).skip(1).map(|w| w[1].1 - w[0].1).collect();
@@ -392,8 +396,8 @@ async fn ca_outage_during_renewal_keeps_old_certificate_and_recovers() {
     let renewed = timeout(WAIT, mgr.fetch(&who)).await.unwrap().unwrap();
     assert_ne!(renewed.serial, first.serial);
     assert!(renewed.is_valid());
-    assert_eq!(mgr.certificates()[0].state, "Available");
-    assert_eq!(mgr.certificates()[0].last_error, None);
+    assert_eq!(CertificateDump::list(&mgr.view())[0].state, "Available");
+    assert_eq!(CertificateDump::list(&mgr.view())[0].last_error, None);
 }
 
 #[tokio::test(start_paused = true)]
@@ -404,7 +408,11 @@ async fn first_fetch_fails_fast_when_ca_is_down_then_recovers() {
     let who = id("down");
     let err = timeout(WAIT, mgr.fetch(&who)).await.unwrap().unwrap_err();
     assert!(err.to_string().contains("CA is down"), "{err}");
-    assert!(mgr.certificates()[0].state.starts_with("Unavailable: "));
+    assert!(
+        CertificateDump::list(&mgr.view())[0]
+            .state
+            .starts_with("Unavailable: ")
+    );
     fake.fail.store(false, Ordering::SeqCst);
     fake.wait_calls(|c| c.iter().any(|(_, _, ok)| *ok)).await;
     timeout(WAIT, mgr.fetch(&who)).await.unwrap().unwrap();
@@ -508,7 +516,7 @@ async fn forget_stops_renewal() {
     // Let `stays` renew a few times; `gone` never calls the CA again.
     fake.wait_calls(|c| c.len() >= 5).await;
     assert_eq!(fake.calls_for(&gone), 1);
-    assert_eq!(mgr.certificates().len(), 1);
+    assert_eq!(CertificateDump::list(&mgr.view()).len(), 1);
 }
 
 #[tokio::test]
@@ -522,7 +530,7 @@ async fn forget_while_waiting_fails_the_fetch() {
         async move { mgr.fetch(&who).await }
     });
     fake.wait_started(1).await;
-    assert_eq!(mgr.certificates()[0].state, "Initializing");
+    assert_eq!(CertificateDump::list(&mgr.view())[0].state, "Initializing");
     mgr.forget(&who);
     let err = timeout(WAIT, waiting).await.unwrap().unwrap().unwrap_err();
     assert!(matches!(err, IdentityError::Forgotten { .. }), "{err}");
@@ -559,7 +567,7 @@ async fn metrics_and_dump_render() {
         assert!(text.contains(want), "missing {want:?} in\n{text}");
     }
 
-    let dump = mgr.certificates();
+    let dump = CertificateDump::list(&mgr.view());
     assert_eq!(dump.len(), 1);
     let d = &dump[0];
     assert_eq!(d.identity, who.to_string());

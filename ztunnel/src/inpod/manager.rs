@@ -10,13 +10,13 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use ambit_inpod::netns::{UNSPECIFIED, listener_socket};
+use ambit_inpod::{InpodCommand, InpodEvent, NetnsId, NetnsSockets, PodNetns};
 use ambit_proto::workload::zds::WorkloadInfo;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
-use super::netns::{NetnsId, NetnsSockets, PodNetns, UNSPECIFIED, listener_socket};
-use super::zds::{InpodCommand, InpodEvent};
 use crate::drain::{self, DRAIN_DEADLINE, DrainTrigger, DrainWatcher};
 use crate::proxy::{self, PodConnections, ProxyContext};
 
@@ -101,7 +101,7 @@ pub type PodSet = BTreeMap<String, PodSummary>;
 /// Handle to a running [`InpodManager`].
 #[derive(Debug)]
 pub struct InpodHandle {
-    /// Give this to [`super::zds::ZdsClient::new`].
+    /// Give this to [`ambit_inpod::ZdsClient::new`].
     pub commands: mpsc::Sender<InpodCommand>,
     /// The pod set, updated before each ack is sent.
     pub pods: watch::Receiver<PodSet>,
@@ -109,7 +109,9 @@ pub struct InpodHandle {
     pub task: JoinHandle<()>,
 }
 
-struct Pod {
+/// The manager's record of one enrolled pod: what it must close or drain
+/// when the pod goes.
+struct EnrolledPod {
     netns: PodNetns,
     summary: PodSummary,
     accept_tasks: Vec<JoinHandle<()>>,
@@ -124,7 +126,7 @@ pub struct InpodManager {
     /// The proxies accepted connections go to; `None` only accepts and
     /// closes (listener lifecycle tests).
     proxy: Option<Arc<ProxyContext>>,
-    pods: HashMap<String, Pod>,
+    pods: HashMap<String, EnrolledPod>,
     /// `Some` between a (re)connect and `SnapshotSent`: the uids the agent
     /// has mentioned so far.
     seen: Option<HashSet<String>>,
@@ -291,9 +293,9 @@ impl InpodManager {
 
         let (bound, sockets) = bound;
         let (pod_drain, pod_watcher) = drain::channel();
-        let (proxy_pod, connections) = match sockets {
+        let (pod_context, connections) = match sockets {
             Some(sockets) => {
-                let (p, c) = proxy::Pod::new(
+                let (p, c) = proxy::PodContext::new(
                     uid.clone(),
                     info.name.clone(),
                     info.namespace.clone(),
@@ -320,7 +322,7 @@ impl InpodManager {
                 }
             };
             addrs.push((role, addr));
-            let task = match (&self.proxy, &proxy_pod) {
+            let task = match (&self.proxy, &pod_context) {
                 (Some(ctx), Some(pod)) => {
                     let (ctx, pod) = (ctx.clone(), pod.clone());
                     match role {
@@ -350,7 +352,7 @@ impl InpodManager {
         };
         self.pods.insert(
             uid,
-            Pod {
+            EnrolledPod {
                 netns,
                 summary,
                 accept_tasks,

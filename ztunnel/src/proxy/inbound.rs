@@ -13,11 +13,9 @@ use hyper::http::StatusCode;
 use tokio::net::{TcpListener, TcpStream};
 use tracing::Instrument;
 
+use super::connection::{accept_loop, copy_until_drained, finish, original_dst};
 use super::metrics::{ConnectionOpen, ConnectionResult, Reporter, SecurityPolicy};
-use super::outbound::{finish, original_dst};
-use super::{
-    Pod, ProxyContext, ProxyError, accept_loop, copy_until_drained, peer_info, workload_identity,
-};
+use super::{PodContext, ProxyContext, ProxyError, peer_info, workload_identity};
 use crate::drain::DRAIN_DEADLINE;
 use crate::hbone::{ConnectRequest, H2Stream, HboneServer};
 use crate::identity::Identity;
@@ -25,7 +23,7 @@ use crate::rbac::{ConnectionAttrs, Decision, PeerIdentity};
 use crate::state::{StateSnapshot, Workload};
 
 /// Serves the pod's HBONE listener until the pod drains.
-pub async fn serve_hbone(listener: TcpListener, pod: Arc<Pod>, ctx: Arc<ProxyContext>) {
+pub async fn serve_hbone(listener: TcpListener, pod: Arc<PodContext>, ctx: Arc<ProxyContext>) {
     let p = pod.clone();
     accept_loop(listener, p, "inbound-hbone", move |tcp, peer| {
         hbone_connection(ctx.clone(), pod.clone(), tcp, peer)
@@ -34,7 +32,7 @@ pub async fn serve_hbone(listener: TcpListener, pod: Arc<Pod>, ctx: Arc<ProxyCon
 }
 
 /// Serves the pod's inbound plaintext listener until the pod drains.
-pub async fn serve_plaintext(listener: TcpListener, pod: Arc<Pod>, ctx: Arc<ProxyContext>) {
+pub async fn serve_plaintext(listener: TcpListener, pod: Arc<PodContext>, ctx: Arc<ProxyContext>) {
     let p = pod.clone();
     accept_loop(listener, p, "inbound-plaintext", move |tcp, peer| {
         plaintext(ctx.clone(), pod.clone(), tcp, peer)
@@ -43,7 +41,12 @@ pub async fn serve_plaintext(listener: TcpListener, pod: Arc<Pod>, ctx: Arc<Prox
 }
 
 /// One HBONE connection (TLS + HTTP/2, many CONNECT streams).
-async fn hbone_connection(ctx: Arc<ProxyContext>, pod: Arc<Pod>, tcp: TcpStream, peer: SocketAddr) {
+async fn hbone_connection(
+    ctx: Arc<ProxyContext>,
+    pod: Arc<PodContext>,
+    tcp: TcpStream,
+    peer: SocketAddr,
+) {
     let _guard = pod.guard();
     let config = match pod.server_config(&ctx).await {
         Ok(c) => c,
@@ -84,7 +87,7 @@ fn is_own_port(ctx: &ProxyContext, port: u16) -> bool {
 /// What the metrics know of an inbound connection.
 fn inbound_open(
     ctx: &ProxyContext,
-    pod: &Pod,
+    pod: &PodContext,
     snap: &StateSnapshot,
     src: SocketAddr,
     dst: SocketAddr,
@@ -112,7 +115,7 @@ fn inbound_open(
 
 /// The check before a CONNECT is answered: an address of this pod, not one
 /// of ztunnel's ports, and allowed by policy. Refusals are counted.
-fn authorize(ctx: &ProxyContext, pod: &Pod, req: &ConnectRequest) -> Result<(), StatusCode> {
+fn authorize(ctx: &ProxyContext, pod: &PodContext, req: &ConnectRequest) -> Result<(), StatusCode> {
     let dst = req.authority;
     let snap = ctx.state.load();
     let refuse = |w: Option<&Workload>, e: ProxyError, status: StatusCode| {
@@ -125,7 +128,7 @@ fn authorize(ctx: &ProxyContext, pod: &Pod, req: &ConnectRequest) -> Result<(), 
             w,
             Some(&req.peer_identity),
         );
-        finish(ConnectionResult::new(open, &ctx.tcp), Err(e));
+        finish(ConnectionResult::new(open, &ctx.metrics), Err(e));
         Err(status)
     };
     if is_own_port(ctx, dst.port()) {
@@ -158,7 +161,7 @@ fn authorize(ctx: &ProxyContext, pod: &Pod, req: &ConnectRequest) -> Result<(), 
 /// One accepted CONNECT stream: deliver it to the app.
 async fn hbone_stream(
     ctx: Arc<ProxyContext>,
-    pod: Arc<Pod>,
+    pod: Arc<PodContext>,
     req: ConnectRequest,
     stream: H2Stream,
 ) {
@@ -176,7 +179,7 @@ async fn hbone_stream(
         Some(&req.peer_identity),
     );
     drop(snap);
-    let result = ConnectionResult::new(open, &ctx.tcp);
+    let result = ConnectionResult::new(open, &ctx.metrics);
     let span = result.span().clone();
     async move {
         let attrs = ConnectionAttrs::mtls(
@@ -196,7 +199,7 @@ async fn hbone_stream(
 /// policy change that denies `attrs` closes it.
 async fn deliver<S>(
     ctx: &ProxyContext,
-    pod: &Pod,
+    pod: &PodContext,
     downstream: S,
     attrs: ConnectionAttrs,
     dst: SocketAddr,
@@ -214,7 +217,7 @@ where
 }
 
 /// One redirected plaintext connection.
-async fn plaintext(ctx: Arc<ProxyContext>, pod: Arc<Pod>, tcp: TcpStream, src: SocketAddr) {
+async fn plaintext(ctx: Arc<ProxyContext>, pod: Arc<PodContext>, tcp: TcpStream, src: SocketAddr) {
     let _guard = pod.guard();
     let dst = match original_dst(&tcp) {
         Ok(d) => d,
@@ -246,7 +249,7 @@ async fn plaintext(ctx: Arc<ProxyContext>, pod: Arc<Pod>, tcp: TcpStream, src: S
         }
     };
     drop(snap);
-    let result = ConnectionResult::new(open, &ctx.tcp);
+    let result = ConnectionResult::new(open, &ctx.metrics);
     let span = result.span().clone();
     async move {
         if let Some(e) = refused {

@@ -10,44 +10,48 @@
 //!
 //! * [`ProxyContext`] is shared by every pod: state reader, certificates,
 //!   the HBONE pool, metrics, the policy cache and a TLS config cache.
-//! * [`Pod`] is one enrolled pod: its identity, a socket thread inside its
-//!   netns ([`NetnsSockets`]) and its own drain signal, so removing a pod
-//!   drains only its connections.
+//! * [`PodContext`] (`pod.rs`) is one enrolled pod: its identity, a socket
+//!   thread inside its netns ([`ambit_inpod::NetnsSockets`]) and its own
+//!   drain signal, so removing a pod drains only its connections.
+//! * `outbound.rs` and `inbound.rs` are the listeners' connection handlers;
+//!   what both share — the accept loop, the drain-aware copy, the original
+//!   destination, recording the outcome — is in `connection.rs`.
 //! * Every connection is one task with one [`metrics::ConnectionResult`]
 //!   (metrics + one access-log line) and ends within
 //!   [`DRAIN_DEADLINE`] once its pod or the whole ztunnel drains.
 
+mod connection;
 pub mod inbound;
 pub mod live;
 pub mod metrics;
 pub mod outbound;
+mod pod;
 mod resolve;
 
 use std::collections::HashMap;
 use std::io;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use ambit_inpod::ZTUNNEL_MARK;
 use hyper::http::StatusCode;
-use rustls::{ClientConfig, ServerConfig};
-use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::mpsc;
+use rustls::ClientConfig;
 
-use crate::copy::{CopyConfig, CopyError, copy_bidirectional};
-use crate::drain::{DRAIN_DEADLINE, DrainWatcher};
+use crate::copy::{CopyConfig, CopyError};
+use crate::drain::DRAIN_DEADLINE;
 use crate::hbone::HbonePool;
-use crate::hbone::{ClientError, PoolError, ServerError, TlsError, client_config, server_config};
+use crate::hbone::{ClientError, PoolError, ServerError, TlsError, client_config};
 use crate::identity::{
     CertificateManager, Identity, IdentityError, TrustBundle, WorkloadCertificate,
 };
-use crate::inpod::{NetnsSockets, SocketOptions, ZTUNNEL_MARK};
 use crate::rbac::PolicyCache;
-use crate::state::{StateReader, StateSnapshot, Workload};
+use crate::state::{StateReader, Workload};
 
 use self::metrics::{PeerInfo, TcpMetrics};
 
+pub use pod::{ConnGuard, PodConnections, PodContext};
 pub use resolve::{Resolved, resolve};
 
 /// Trust domain of workloads that do not name one.
@@ -175,14 +179,15 @@ pub struct ProxyContext {
     pub state: StateReader,
     pub certificates: CertificateManager,
     pub pool: HbonePool,
-    pub tcp: TcpMetrics,
+    /// Istio's `istio_tcp_*` connection metrics, shared with `/metrics`.
+    pub metrics: TcpMetrics,
     pub policies: Arc<PolicyCache>,
     pub cfg: ProxyConfig,
     /// Inbound connections, rechecked when policy changes.
     pub live: Arc<live::LiveConnections>,
     client_tls: Mutex<HashMap<(Identity, Identity), CachedClient>>,
-    /// Round-robin cursor for endpoint picks.
-    rr: AtomicUsize,
+    /// Round-robin cursor for picking a service's endpoint.
+    round_robin: AtomicUsize,
 }
 
 impl std::fmt::Debug for ProxyContext {
@@ -203,7 +208,7 @@ impl ProxyContext {
         state: StateReader,
         certificates: CertificateManager,
         pool: HbonePool,
-        tcp: TcpMetrics,
+        metrics: TcpMetrics,
         policies: Arc<PolicyCache>,
         cfg: ProxyConfig,
     ) -> Self {
@@ -214,12 +219,12 @@ impl ProxyContext {
             state,
             certificates,
             pool,
-            tcp,
+            metrics,
             policies,
             cfg,
             live: Arc::default(),
             client_tls: Mutex::new(HashMap::new()),
-            rr: AtomicUsize::new(0),
+            round_robin: AtomicUsize::new(0),
         }
     }
 
@@ -301,252 +306,4 @@ pub fn peer_info(w: Option<&Workload>, principal: Option<&Identity>) -> PeerInfo
         info.principal = id.to_string();
     }
     info
-}
-
-struct CachedServer {
-    cert: Arc<WorkloadCertificate>,
-    bundle: Arc<TrustBundle>,
-    config: Arc<ServerConfig>,
-}
-
-/// One enrolled pod, as its proxies see it.
-pub struct Pod {
-    pub uid: String,
-    pub name: Arc<str>,
-    pub namespace: Arc<str>,
-    pub service_account: String,
-    /// Makes sockets inside the pod's netns.
-    pub sockets: NetnsSockets,
-    /// Fires when the pod is removed or ztunnel drains.
-    pub drain: DrainWatcher,
-    server_tls: Mutex<Option<CachedServer>>,
-    /// Each connection task holds a clone; the manager waits for all of
-    /// them to be dropped when the pod goes.
-    tracker: mpsc::Sender<()>,
-}
-
-impl std::fmt::Debug for Pod {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{} (uid {})", self.namespace, self.name, self.uid)
-    }
-}
-
-impl std::fmt::Display for Pod {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
-
-/// Resolves once every connection of a pod has ended.
-pub struct PodConnections(mpsc::Receiver<()>);
-
-impl PodConnections {
-    /// Waits for the pod's connections to end.
-    pub async fn closed(mut self) {
-        while self.0.recv().await.is_some() {}
-    }
-}
-
-/// A guard held by a connection task for its pod.
-pub struct ConnGuard(#[allow(dead_code)] mpsc::Sender<()>);
-
-impl Pod {
-    /// A pod; the returned [`PodConnections`] resolves once its
-    /// connections (each holding a [`ConnGuard`]) have ended.
-    pub fn new(
-        uid: String,
-        name: String,
-        namespace: String,
-        service_account: String,
-        sockets: NetnsSockets,
-        drain: DrainWatcher,
-    ) -> (Self, PodConnections) {
-        let (tracker, rx) = mpsc::channel(1);
-        (
-            Self {
-                uid,
-                name: name.into(),
-                namespace: namespace.into(),
-                service_account,
-                sockets,
-                drain,
-                server_tls: Mutex::new(None),
-                tracker,
-            },
-            PodConnections(rx),
-        )
-    }
-
-    /// Marks a connection as running for this pod.
-    pub fn guard(&self) -> ConnGuard {
-        ConnGuard(self.tracker.clone())
-    }
-
-    /// The pod's identity: the one xDS gives its workload (what peers
-    /// verify) when xDS knows it, else the node agent's namespace and
-    /// service account in the default trust domain.
-    pub fn identity(&self, ctx: &ProxyContext, snap: &StateSnapshot) -> Identity {
-        let uid = format!("{}//Pod/{}/{}", ctx.cluster_id, self.namespace, self.name);
-        if let Some(w) = snap.workload_by_uid(&uid) {
-            return workload_identity(&w);
-        }
-        let sa = if self.service_account.is_empty() {
-            "default"
-        } else {
-            &self.service_account
-        };
-        Identity::new(DEFAULT_TRUST_DOMAIN, &*self.namespace, sa)
-    }
-
-    /// Whether `w` is this pod.
-    pub fn is(&self, w: &Workload) -> bool {
-        *w.name == *self.name && *w.namespace == *self.namespace
-    }
-
-    /// The pod's namespace, shared.
-    pub fn namespace_arc(&self) -> Arc<str> {
-        self.namespace.clone()
-    }
-
-    /// The pod's name, shared.
-    pub fn name_arc(&self) -> Arc<str> {
-        self.name.clone()
-    }
-
-    /// The workload of this pod that owns `ip`, if `ip` is one of its
-    /// addresses.
-    pub fn workload_at(
-        &self,
-        ctx: &ProxyContext,
-        snap: &StateSnapshot,
-        ip: IpAddr,
-    ) -> Option<Arc<Workload>> {
-        snap.workload_by_ip(&ctx.network, ip.to_canonical())
-            .filter(|w| self.is(w))
-    }
-
-    /// The HBONE server config for this pod's certificate, cached until the
-    /// certificate or the trust bundle changes.
-    async fn server_config(&self, ctx: &ProxyContext) -> Result<Arc<ServerConfig>, ProxyError> {
-        let id = self.identity(ctx, &ctx.state.load());
-        let cert = ctx.certificate(&id).await?;
-        let bundle = ctx.bundle();
-        let mut cached = self
-            .server_tls
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(c) = cached.as_ref()
-            && Arc::ptr_eq(&c.cert, &cert)
-            && Arc::ptr_eq(&c.bundle, &bundle)
-        {
-            return Ok(c.config.clone());
-        }
-        let config = Arc::new(
-            server_config(&cert, &bundle).map_err(|source| ProxyError::Tls {
-                identity: id.clone(),
-                source,
-            })?,
-        );
-        *cached = Some(CachedServer {
-            cert,
-            bundle,
-            config: config.clone(),
-        });
-        Ok(config)
-    }
-
-    /// Connects to `dst` from inside the pod, marked so the pod's rules let
-    /// it through; from `src` (the original client) when transparent.
-    async fn connect(
-        &self,
-        ctx: &ProxyContext,
-        dst: SocketAddr,
-        src: Option<IpAddr>,
-    ) -> Result<tokio::net::TcpStream, ProxyError> {
-        let bind = src
-            .filter(|ip| ip.is_ipv4() == dst.is_ipv4())
-            .map(|ip| SocketAddr::new(ip, 0));
-        let opts = SocketOptions {
-            mark: Some(ctx.cfg.mark),
-            transparent: bind.is_some(),
-            bind,
-        };
-        let timeout = ctx.cfg.connect_timeout;
-        let stream = tokio::time::timeout(timeout, self.sockets.connect(dst, &opts))
-            .await
-            .map_err(|_| ProxyError::ConnectTimeout { dst, timeout })?
-            .map_err(|source| ProxyError::Connect { dst, source })?;
-        let _ = stream.set_nodelay(true);
-        Ok(stream)
-    }
-}
-
-/// Copies both ways until done; once the pod drains, gives the connection
-/// [`DRAIN_DEADLINE`] more, then closes it. A revoked connection (a policy
-/// change denies it) is closed at once.
-async fn copy_until_drained<A, B>(
-    pod: &Pod,
-    a: A,
-    b: B,
-    cfg: &CopyConfig,
-    revoked: Option<live::Revoked>,
-) -> Result<(u64, u64), ProxyError>
-where
-    A: AsyncRead + AsyncWrite + Unpin,
-    B: AsyncRead + AsyncWrite + Unpin,
-{
-    let copy = copy_bidirectional(a, b, cfg);
-    tokio::pin!(copy);
-    let revoked = async {
-        match revoked {
-            // A dropped sender means "no longer tracked", not "revoked".
-            Some(rx) => match rx.await {
-                Ok(policy) => policy,
-                Err(_) => std::future::pending().await,
-            },
-            None => std::future::pending().await,
-        }
-    };
-    tokio::pin!(revoked);
-    tokio::select! {
-        r = &mut copy => return r.map_err(ProxyError::from),
-        policy = &mut revoked => return Err(ProxyError::Revoked { policy }),
-        _ = pod.drain.signaled() => {}
-    }
-    tokio::select! {
-        r = tokio::time::timeout(DRAIN_DEADLINE, copy) => match r {
-            Ok(r) => r.map_err(ProxyError::from),
-            Err(_) => Err(ProxyError::Drained),
-        },
-        policy = revoked => Err(ProxyError::Revoked { policy }),
-    }
-}
-
-/// Accepts until the pod drains; `handle` runs each connection as a task.
-async fn accept_loop<F, Fut>(
-    listener: tokio::net::TcpListener,
-    pod: Arc<Pod>,
-    role: &str,
-    handle: F,
-) where
-    F: Fn(tokio::net::TcpStream, SocketAddr) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    loop {
-        let accepted = tokio::select! {
-            _ = pod.drain.signaled() => return,
-            a = listener.accept() => a,
-        };
-        match accepted {
-            Ok((stream, peer)) => {
-                let _ = stream.set_nodelay(true);
-                tokio::spawn(handle(stream, peer));
-            }
-            Err(e) => {
-                tracing::warn!(pod = %pod, role, error = %e, "accept failed");
-                // E.g. out of fds: do not spin.
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
 }

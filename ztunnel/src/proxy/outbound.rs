@@ -7,21 +7,21 @@
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
+use ambit_inpod::{NetnsSockets, SocketOptions};
 use hyper::http::{HeaderMap, HeaderValue};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::Instrument;
 
+use super::connection::{accept_loop, copy_until_drained, finish, original_dst};
 use super::metrics::{ConnectionOpen, ConnectionResult, Reporter, SecurityPolicy, ServiceInfo};
 use super::{
-    Pod, ProxyContext, ProxyError, Resolved, accept_loop, copy_until_drained, peer_info, resolve,
-    workload_identity,
+    PodContext, ProxyContext, ProxyError, Resolved, peer_info, resolve, workload_identity,
 };
 use crate::hbone::{DialFuture, Dialer, PoolKey};
-use crate::inpod::{NetnsSockets, SocketOptions};
 use crate::state::{Service, Workload};
 
 /// Serves the pod's outbound listener until the pod drains.
-pub async fn serve(listener: TcpListener, pod: Arc<Pod>, ctx: Arc<ProxyContext>) {
+pub async fn serve(listener: TcpListener, pod: Arc<PodContext>, ctx: Arc<ProxyContext>) {
     let local = listener.local_addr().ok();
     let p = pod.clone();
     accept_loop(listener, p, "outbound", move |stream, peer| {
@@ -47,22 +47,9 @@ impl Dialer for PodDialer {
     }
 }
 
-/// The original destination of a connection redirected by iptables.
-pub fn original_dst(stream: &TcpStream) -> std::io::Result<SocketAddr> {
-    use nix::sys::socket::{SockaddrIn, SockaddrIn6, getsockopt, sockopt};
-    let local = stream.local_addr()?;
-    if local.is_ipv4() {
-        let raw = getsockopt(stream, sockopt::OriginalDst).map_err(std::io::Error::from)?;
-        Ok(SocketAddr::V4(SockaddrIn::from(raw).into()))
-    } else {
-        let raw = getsockopt(stream, sockopt::Ip6tOriginalDst).map_err(std::io::Error::from)?;
-        Ok(SocketAddr::V6(SockaddrIn6::from(raw).into()))
-    }
-}
-
 async fn handle(
     ctx: Arc<ProxyContext>,
-    pod: Arc<Pod>,
+    pod: Arc<PodContext>,
     downstream: TcpStream,
     src: SocketAddr,
     listener: Option<SocketAddr>,
@@ -79,10 +66,10 @@ async fn handle(
     let src_w = snap.workload_by_ip(&ctx.network, src.ip().to_canonical());
     let src_id = src_w
         .as_deref()
-        .filter(|w| pod.is(w))
+        .filter(|w| pod.matches_workload(w))
         .map(workload_identity)
         .unwrap_or_else(|| pod.identity(&ctx, &snap));
-    let resolved = resolve(&snap, &ctx.network, dst, &ctx.rr);
+    let resolved = resolve(&snap, &ctx.network, dst, &ctx.round_robin);
     drop(snap);
 
     let (dst_w, service, mtls) = match &resolved {
@@ -108,7 +95,7 @@ async fn handle(
             SecurityPolicy::None
         },
     };
-    let result = ConnectionResult::new(open, &ctx.tcp);
+    let result = ConnectionResult::new(open, &ctx.metrics);
     let span = result.span().clone();
     async move {
         let outcome = match resolved {
@@ -137,31 +124,6 @@ async fn handle(
     .await;
 }
 
-/// Records the outcome of a connection.
-pub(super) fn finish(result: ConnectionResult, outcome: Result<(u64, u64), ProxyError>) {
-    match outcome {
-        Ok((from_client, to_client)) => {
-            result.record_received(from_client);
-            result.record_sent(to_client);
-            result.finish();
-        }
-        Err(e) => {
-            if let ProxyError::Copy(c) = &e {
-                let (from_client, to_client) = c.copied();
-                result.record_received(from_client);
-                result.record_sent(to_client);
-            }
-            match &e {
-                // The access-log line names the policy in its error.
-                ProxyError::Denied { policy } | ProxyError::Revoked { policy } => {
-                    result.deny(policy, &e)
-                }
-                _ => result.fail(e.flags(), &e),
-            }
-        }
-    }
-}
-
 fn is_loop(addr: SocketAddr, listener: Option<SocketAddr>, ctx: &ProxyContext) -> bool {
     let ports = [
         ctx.cfg.outbound_port,
@@ -175,7 +137,7 @@ fn is_loop(addr: SocketAddr, listener: Option<SocketAddr>, ctx: &ProxyContext) -
 
 async fn direct(
     ctx: &ProxyContext,
-    pod: &Pod,
+    pod: &PodContext,
     downstream: TcpStream,
     addr: SocketAddr,
 ) -> Result<(u64, u64), ProxyError> {
@@ -186,7 +148,7 @@ async fn direct(
 #[allow(clippy::too_many_arguments)]
 async fn hbone(
     ctx: &ProxyContext,
-    pod: &Pod,
+    pod: &PodContext,
     downstream: TcpStream,
     src: SocketAddr,
     src_id: &crate::identity::Identity,

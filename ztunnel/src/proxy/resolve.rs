@@ -29,11 +29,16 @@ pub enum Resolved {
     NoEndpoint { service: Arc<Service>, port: u16 },
 }
 
-/// Resolves `dst` in `snap` on `network`; `rr` is the round-robin cursor.
-pub fn resolve(snap: &StateSnapshot, network: &str, dst: SocketAddr, rr: &AtomicUsize) -> Resolved {
+/// Resolves `dst` in `snap` on `network`; `round_robin` is the cursor that spreads picks over endpoints.
+pub fn resolve(
+    snap: &StateSnapshot,
+    network: &str,
+    dst: SocketAddr,
+    round_robin: &AtomicUsize,
+) -> Resolved {
     let ip = dst.ip().to_canonical();
     if let Some(service) = snap.service_by_vip(network, ip) {
-        return pick_endpoint(snap, network, service, dst.port(), rr);
+        return pick_endpoint(snap, network, service, dst.port(), round_robin);
     }
     match snap.workload_by_ip(network, ip) {
         Some(w) => to_workload(w, SocketAddr::new(ip, dst.port()), None),
@@ -66,7 +71,7 @@ fn pick_endpoint(
     network: &str,
     service: Arc<Service>,
     port: u16,
-    rr: &AtomicUsize,
+    round_robin: &AtomicUsize,
 ) -> Resolved {
     let Some(mapping) = service.ports.iter().find(|p| p.service_port == port) else {
         return Resolved::NoEndpoint { service, port };
@@ -99,7 +104,7 @@ fn pick_endpoint(
     if n == 0 {
         return Resolved::NoEndpoint { service, port };
     }
-    let k = rr.fetch_add(1, Ordering::Relaxed) % n;
+    let k = round_robin.fetch_add(1, Ordering::Relaxed) % n;
     match usable().nth(k) {
         Some((w, addr)) => to_workload(w, addr, Some(service)),
         None => Resolved::NoEndpoint { service, port },

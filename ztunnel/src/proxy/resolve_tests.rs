@@ -87,10 +87,10 @@ fn vip_round_robins_over_healthy_endpoints_with_port_mapping() {
         workload("b", "10.0.0.2", true, true, 9090),
         workload("sick", "10.0.0.3", true, false, 0),
     ]);
-    let rr = AtomicUsize::new(0);
+    let round_robin = AtomicUsize::new(0);
     let mut seen = HashSet::new();
     for _ in 0..10 {
-        match resolve(&snap, "", addr("10.96.0.1:80"), &rr) {
+        match resolve(&snap, "", addr("10.96.0.1:80"), &round_robin) {
             Resolved::Hbone {
                 workload,
                 addr,
@@ -112,14 +112,14 @@ fn vip_round_robins_over_healthy_endpoints_with_port_mapping() {
 #[test]
 fn vip_without_a_usable_endpoint_or_port_is_no_endpoint() {
     let snap = snapshot(vec![workload("sick", "10.0.0.3", true, false, 0)]);
-    let rr = AtomicUsize::new(0);
+    let round_robin = AtomicUsize::new(0);
     assert!(matches!(
-        resolve(&snap, "", addr("10.96.0.1:80"), &rr),
+        resolve(&snap, "", addr("10.96.0.1:80"), &round_robin),
         Resolved::NoEndpoint { port: 80, .. }
     ));
     let snap = snapshot(vec![workload("a", "10.0.0.1", true, true, 0)]);
     assert!(matches!(
-        resolve(&snap, "", addr("10.96.0.1:443"), &rr),
+        resolve(&snap, "", addr("10.96.0.1:443"), &round_robin),
         Resolved::NoEndpoint { port: 443, .. }
     ));
 }
@@ -130,8 +130,8 @@ fn pod_ips_go_to_their_workload_and_unknown_addresses_pass_through() {
         workload("mesh", "10.0.0.1", true, true, 0),
         workload("plain", "10.0.0.2", false, true, 0),
     ]);
-    let rr = AtomicUsize::new(0);
-    match resolve(&snap, "", addr("10.0.0.1:7000"), &rr) {
+    let round_robin = AtomicUsize::new(0);
+    match resolve(&snap, "", addr("10.0.0.1:7000"), &round_robin) {
         Resolved::Hbone {
             workload,
             addr: a,
@@ -143,7 +143,7 @@ fn pod_ips_go_to_their_workload_and_unknown_addresses_pass_through() {
         }
         other => panic!("{other:?}"),
     }
-    match resolve(&snap, "", addr("10.0.0.2:7000"), &rr) {
+    match resolve(&snap, "", addr("10.0.0.2:7000"), &round_robin) {
         Resolved::Direct {
             workload, addr: a, ..
         } => {
@@ -152,7 +152,7 @@ fn pod_ips_go_to_their_workload_and_unknown_addresses_pass_through() {
         }
         other => panic!("{other:?}"),
     }
-    match resolve(&snap, "", addr("192.0.2.1:443"), &rr) {
+    match resolve(&snap, "", addr("192.0.2.1:443"), &round_robin) {
         Resolved::Direct {
             workload, addr: a, ..
         } => {

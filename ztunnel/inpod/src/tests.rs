@@ -7,12 +7,12 @@ use std::time::Duration;
 
 use ambit_proto::workload::zds::{WorkloadInfo, WorkloadRequest, ZdsHello};
 use prost::Message;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
-use super::netns::{NetnsError, PodNetns};
-use super::zds::agent::ZdsListener;
-use super::zds::{
-    self, InpodCommand, InpodEvent, ZdsClient, ZdsClientConfig, ZdsMessage, ZdsRequestError,
+use crate::netns::{NetnsError, PodNetns};
+use crate::zds::{
+    self, InpodCommand, InpodEvent, ZdsClient, ZdsClientConfig, ZdsListener, ZdsMessage,
+    ZdsRequestError,
 };
 
 const T: Duration = Duration::from_secs(5);
@@ -181,6 +181,15 @@ async fn next(rx: &mut mpsc::UnboundedReceiver<String>) -> String {
         .expect("owner gone")
 }
 
+/// A shutdown signal for the client: fire it by sending `()` (or dropping
+/// the sender).
+fn shutdown_signal() -> (oneshot::Sender<()>, impl std::future::Future<Output = ()>) {
+    let (tx, rx) = oneshot::channel::<()>();
+    (tx, async move {
+        let _ = rx.await;
+    })
+}
+
 /// Runs a blocking agent step off the runtime threads.
 async fn blocking<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
     tokio::time::timeout(T, tokio::task::spawn_blocking(f))
@@ -195,11 +204,11 @@ async fn client_acks_every_request_and_reconnects() {
     let path = dir.path().join("zds.sock");
     let listener = std::sync::Arc::new(ZdsListener::bind(&path).unwrap());
     let (handler, mut seen) = fake_owner();
-    let (trigger, drain) = crate::drain::channel();
+    let (stop, shutdown) = shutdown_signal();
     let mut cfg = ZdsClientConfig::new(&path);
     cfg.backoff_initial = Duration::from_millis(20);
     cfg.backoff_max = Duration::from_millis(200);
-    let client = tokio::spawn(ZdsClient::new(cfg, handler).run(drain));
+    let client = tokio::spawn(ZdsClient::new(cfg, handler).run(shutdown));
 
     let l = listener.clone();
     let conn = blocking(move || l.accept(T).unwrap()).await;
@@ -269,10 +278,10 @@ async fn client_acks_every_request_and_reconnects() {
     assert_eq!(ack, "");
     assert_eq!(next(&mut seen).await, "snapshot");
 
-    trigger.start();
+    let _ = stop.send(());
     tokio::time::timeout(T, client)
         .await
-        .expect("client stops when drained")
+        .expect("client stops when shut down")
         .unwrap();
 }
 
@@ -281,16 +290,16 @@ async fn client_keeps_retrying_while_agent_is_absent() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("zds.sock");
     let (handler, mut seen) = fake_owner();
-    let (trigger, drain) = crate::drain::channel();
+    let (stop, shutdown) = shutdown_signal();
     let mut cfg = ZdsClientConfig::new(&path);
     cfg.backoff_initial = Duration::from_millis(10);
     cfg.backoff_max = Duration::from_millis(50);
-    let client = tokio::spawn(ZdsClient::new(cfg, handler).run(drain));
+    let client = tokio::spawn(ZdsClient::new(cfg, handler).run(shutdown));
     tokio::time::sleep(Duration::from_millis(120)).await;
     // The agent appears late.
     let listener = ZdsListener::bind(&path).unwrap();
     let _conn = blocking(move || listener.accept(T).unwrap()).await;
     assert_eq!(next(&mut seen).await, "connected");
-    trigger.start();
+    let _ = stop.send(());
     tokio::time::timeout(T, client).await.unwrap().unwrap();
 }

@@ -1,0 +1,124 @@
+//! What every proxied connection goes through, inbound or outbound: the
+//! accept loop of a pod's listener, the copy that respects the pod's drain
+//! and policy revocation, the original destination of a redirected
+//! connection, and recording its outcome (metrics + one access-log line).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+
+use super::metrics::ConnectionResult;
+use super::{PodContext, ProxyError, live};
+use crate::copy::{CopyConfig, copy_bidirectional};
+use crate::drain::DRAIN_DEADLINE;
+
+/// Copies both ways until done; once the pod drains, gives the connection
+/// [`DRAIN_DEADLINE`] more, then closes it. A revoked connection (a policy
+/// change denies it) is closed at once.
+pub(super) async fn copy_until_drained<A, B>(
+    pod: &PodContext,
+    a: A,
+    b: B,
+    cfg: &CopyConfig,
+    revoked: Option<live::Revoked>,
+) -> Result<(u64, u64), ProxyError>
+where
+    A: AsyncRead + AsyncWrite + Unpin,
+    B: AsyncRead + AsyncWrite + Unpin,
+{
+    let copy = copy_bidirectional(a, b, cfg);
+    tokio::pin!(copy);
+    let revoked = async {
+        match revoked {
+            // A dropped sender means "no longer tracked", not "revoked".
+            Some(rx) => match rx.await {
+                Ok(policy) => policy,
+                Err(_) => std::future::pending().await,
+            },
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(revoked);
+    tokio::select! {
+        r = &mut copy => return r.map_err(ProxyError::from),
+        policy = &mut revoked => return Err(ProxyError::Revoked { policy }),
+        _ = pod.drain.signaled() => {}
+    }
+    tokio::select! {
+        r = tokio::time::timeout(DRAIN_DEADLINE, copy) => match r {
+            Ok(r) => r.map_err(ProxyError::from),
+            Err(_) => Err(ProxyError::Drained),
+        },
+        policy = revoked => Err(ProxyError::Revoked { policy }),
+    }
+}
+
+/// Accepts until the pod drains; `handle` runs each connection as a task.
+pub(super) async fn accept_loop<F, Fut>(
+    listener: tokio::net::TcpListener,
+    pod: Arc<PodContext>,
+    role: &str,
+    handle: F,
+) where
+    F: Fn(tokio::net::TcpStream, SocketAddr) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    loop {
+        let accepted = tokio::select! {
+            _ = pod.drain.signaled() => return,
+            a = listener.accept() => a,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nodelay(true);
+                tokio::spawn(handle(stream, peer));
+            }
+            Err(e) => {
+                tracing::warn!(pod = %pod, role, error = %e, "accept failed");
+                // E.g. out of fds: do not spin.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// The original destination of a connection redirected by iptables.
+pub(super) fn original_dst(stream: &TcpStream) -> std::io::Result<SocketAddr> {
+    use nix::sys::socket::{SockaddrIn, SockaddrIn6, getsockopt, sockopt};
+    let local = stream.local_addr()?;
+    if local.is_ipv4() {
+        let raw = getsockopt(stream, sockopt::OriginalDst).map_err(std::io::Error::from)?;
+        Ok(SocketAddr::V4(SockaddrIn::from(raw).into()))
+    } else {
+        let raw = getsockopt(stream, sockopt::Ip6tOriginalDst).map_err(std::io::Error::from)?;
+        Ok(SocketAddr::V6(SockaddrIn6::from(raw).into()))
+    }
+}
+
+/// Records the outcome of a connection.
+pub(super) fn finish(result: ConnectionResult, outcome: Result<(u64, u64), ProxyError>) {
+    match outcome {
+        Ok((from_client, to_client)) => {
+            result.record_received(from_client);
+            result.record_sent(to_client);
+            result.finish();
+        }
+        Err(e) => {
+            if let ProxyError::Copy(c) = &e {
+                let (from_client, to_client) = c.copied();
+                result.record_received(from_client);
+                result.record_sent(to_client);
+            }
+            match &e {
+                // The access-log line names the policy in its error.
+                ProxyError::Denied { policy } | ProxyError::Revoked { policy } => {
+                    result.deny(policy, &e)
+                }
+                _ => result.fail(e.flags(), &e),
+            }
+        }
+    }
+}
