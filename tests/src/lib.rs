@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 pub mod enrollbed;
+pub mod envoy;
 pub mod meshbed;
 pub mod netbed;
 
@@ -77,6 +78,11 @@ pub async fn http(addr: SocketAddr, method: &str, path: &str) -> Result<(u16, St
     tokio::time::timeout(Duration::from_secs(10), fut)
         .await
         .with_context(|| format!("{method} http://{addr}{path} timed out"))?
+}
+
+/// Decodes a chunked HTTP/1.1 body.
+pub fn dechunk_body(body: &str) -> Result<String> {
+    dechunk(body)
 }
 
 fn dechunk(mut body: &str) -> Result<String> {

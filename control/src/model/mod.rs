@@ -29,6 +29,7 @@ mod index;
 pub mod peer_authn;
 pub mod snapshot;
 pub mod store;
+pub mod waypoint;
 pub mod workloads;
 
 #[cfg(test)]
