@@ -31,6 +31,10 @@ mod yaml;
 use head::{Field, Head};
 
 #[cfg(test)]
+mod gateway_api_tests;
+#[cfg(test)]
+mod istio_traffic_tests;
+#[cfg(test)]
 mod tests;
 
 /// Why a document was rejected. Every message ends with what to do.
