@@ -23,8 +23,6 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde::de::{self, Deserializer, Visitor};
 
-use crate::objects::parse_str;
-
 /// Why a scalar value was rejected. Every message ends with what to do.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ScalarError {
@@ -365,34 +363,68 @@ pub(crate) fn percentage<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Erro
     d.deserialize_f64(V)
 }
 
+/// A visitor for a duration string; a bare number (YAML `timeout: 5`, JSON
+/// `"timeout": 5`) is read as its text, so the message says the unit is
+/// missing.
+struct DurationText(fn(&str) -> Result<Duration, ScalarError>, &'static str);
+
+impl Visitor<'_> for DurationText {
+    type Value = Duration;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.1)
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Duration, E> {
+        (self.0)(v).map_err(E::custom)
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Duration, E> {
+        self.visit_str(&v.to_string())
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Duration, E> {
+        self.visit_str(&v.to_string())
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Duration, E> {
+        self.visit_str(&v.to_string())
+    }
+}
+
+/// An Istio duration field's value.
+struct IstioDuration(Duration);
+
+impl<'de> Deserialize<'de> for IstioDuration {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = DurationText(
+            parse_istio_duration,
+            "a duration such as \"1.5s\" or \"100ms\"",
+        );
+        d.deserialize_any(text).map(IstioDuration)
+    }
+}
+
+/// A Gateway API duration field's value.
+struct GatewayDuration(Duration);
+
+impl<'de> Deserialize<'de> for GatewayDuration {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = DurationText(
+            parse_gateway_duration,
+            "a duration such as \"10s\" or \"500ms\"",
+        );
+        d.deserialize_any(text).map(GatewayDuration)
+    }
+}
+
 /// Deserializes an optional Istio duration.
 pub(crate) fn optional_istio_duration<'de, D: Deserializer<'de>>(
     d: D,
 ) -> Result<Option<Duration>, D::Error> {
-    struct W(Duration);
-    impl<'de> Deserialize<'de> for W {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            parse_str(d, "a duration such as \"1.5s\" or \"100ms\"", |s| {
-                parse_istio_duration(s).map(W).map_err(|e| e.to_string())
-            })
-        }
-    }
-    Ok(Option::<W>::deserialize(d)?.map(|w| w.0))
+    Ok(Option::<IstioDuration>::deserialize(d)?.map(|w| w.0))
 }
 
 /// Deserializes an optional Gateway API duration.
 pub(crate) fn optional_gateway_duration<'de, D: Deserializer<'de>>(
     d: D,
 ) -> Result<Option<Duration>, D::Error> {
-    struct W(Duration);
-    impl<'de> Deserialize<'de> for W {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            parse_str(d, "a duration such as \"10s\" or \"500ms\"", |s| {
-                parse_gateway_duration(s).map(W).map_err(|e| e.to_string())
-            })
-        }
-    }
-    Ok(Option::<W>::deserialize(d)?.map(|w| w.0))
+    Ok(Option::<GatewayDuration>::deserialize(d)?.map(|w| w.0))
 }
 
 /// An HTTP status an Envoy filter can answer with: 200 to 599.

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use super::istio_traffic_tests::{all_rejected, decode_all_forms, labels};
+use super::istio_traffic_tests::{decode_all_forms, labels};
 use super::*;
 use crate::gateway_api::*;
 
@@ -404,101 +404,4 @@ status:
         Object::Node(n).key(),
         ObjectKey::new(Kind::Node, "", "node-a")
     );
-}
-
-/// An HTTPRoute whose first rule is `rule` (indented 4 spaces, starting at
-/// line 6 of the document).
-fn route_with_rule(rule: &str) -> String {
-    format!(
-        "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: bad, namespace: a}}\nspec:\n  rules:\n  - backendRefs: [{{name: llm}}]\n{rule}"
-    )
-}
-
-#[test]
-fn unusable_gateway_api_values_are_rejected_with_path_and_line() {
-    let cases: Vec<(String, &str, usize, &str)> = vec![
-        (
-            route_with_rule("    matches: [{path: {type: Prefix, value: /api}}]\n"),
-            "spec.rules[0].matches[0].path.type",
-            7,
-            "unknown variant `Prefix`, expected one of Exact, PathPrefix, RegularExpression",
-        ),
-        (
-            route_with_rule("    matches: [{path: {type: PathPrefix, value: api}}]\n"),
-            "spec.rules[0].matches[0].path",
-            7,
-            "path \"api\" does not start with '/'",
-        ),
-        (
-            route_with_rule("    matches: [{path: {type: RegularExpression, value: '(a'}}]\n"),
-            "spec.rules[0].matches[0].path",
-            7,
-            "\"(a\" is not a valid regular expression",
-        ),
-        (
-            route_with_rule(
-                "    matches: [{headers: [{type: RegularExpression, name: x, value: '*a'}]}]\n",
-            ),
-            "spec.rules[0].matches[0].headers[0]",
-            7,
-            "is not a valid regular expression",
-        ),
-        (
-            route_with_rule("    matches: [{method: FETCH}]\n"),
-            "spec.rules[0].matches[0].method",
-            7,
-            "unknown variant `FETCH`",
-        ),
-        (
-            route_with_rule("    timeouts: {request: 1.5s}\n"),
-            "spec.rules[0].timeouts.request",
-            7,
-            "\"1.5s\" is not a Gateway API duration",
-        ),
-        (
-            route_with_rule("    timeouts: {request: 1s, backendRequest: 2s}\n"),
-            "spec.rules[0].timeouts",
-            7,
-            "is longer than request",
-        ),
-        (
-            route_with_rule("    filters: [{type: RequestRedirect}]\n"),
-            "spec.rules[0].filters[0]",
-            7,
-            "a RequestRedirect filter needs its requestRedirect field",
-        ),
-        (
-            route_with_rule(
-                "    filters:\n    - type: URLRewrite\n      requestRedirect: {scheme: https}\n",
-            ),
-            "spec.rules[0].filters[0]",
-            8,
-            "a URLRewrite filter must not set requestRedirect",
-        ),
-        (
-            route_with_rule("    filters: [{type: Rewrite}]\n"),
-            "spec.rules[0].filters[0].type",
-            7,
-            "unknown variant `Rewrite`",
-        ),
-        (
-            "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {name: bad, namespace: a}\nspec:\n  rules:\n  - backendRefs:\n    - {name: llm, weight: -1}\n".to_string(),
-            "spec.rules[0].backendRefs[0].weight",
-            7,
-            "weight -1 is negative",
-        ),
-        (
-            "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {name: bad, namespace: a}\nspec:\n  rules:\n  - backendRefs:\n    - {name: llm, weight: 2000000}\n".to_string(),
-            "spec.rules[0].backendRefs[0].weight",
-            7,
-            "use at most 1000000",
-        ),
-        (
-            "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {name: bad, namespace: a}\nspec:\n  gatewayClassName: istio-waypoint\n  listeners:\n  - {name: mesh, port: 0, protocol: HBONE}\n".to_string(),
-            "spec.listeners[0].port",
-            7,
-            "port 0 is out of range",
-        ),
-    ];
-    all_rejected(&cases);
 }

@@ -36,6 +36,8 @@ mod gateway_api_tests;
 mod istio_traffic_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod traffic_rejection_tests;
 
 /// Why a document was rejected. Every message ends with what to do.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -70,7 +70,9 @@ impl ParentReference {
         self.namespace.as_deref().unwrap_or(route_namespace)
     }
 
-    /// A mesh (GAMMA) parent: a core `Service`.
+    /// A mesh (GAMMA) parent: a core `Service`. The group must be written
+    /// (`group: ""`): an absent group means `gateway.networking.k8s.io`, as
+    /// the API server defaults it.
     pub fn is_service(&self) -> bool {
         self.effective_kind() == "Service" && is_core_group(self.effective_group())
     }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::PortSelector;
-use crate::objects::{Labels, ObjectMeta, WorkloadSelector, nullable, selector_matches};
+use crate::objects::{LabelSelector, Labels, ObjectMeta, nullable, selector_matches};
 use crate::scalars::{
     CheckOnDecode, checked_option, optional_count, optional_istio_duration, optional_whole_percent,
 };
@@ -52,7 +52,10 @@ pub struct DestinationRuleSpec {
     pub subsets: Vec<Subset>,
     #[serde(deserialize_with = "nullable")]
     pub export_to: Vec<String>,
-    pub workload_selector: Option<WorkloadSelector>,
+    /// The workloads (sidecars) the rule applies to, by `matchLabels`
+    /// (Istio's `type.v1beta1.WorkloadSelector`, unlike the `labels` of a
+    /// Sidecar's or ServiceEntry's selector).
+    pub workload_selector: Option<LabelSelector>,
 }
 
 impl DestinationRule {
