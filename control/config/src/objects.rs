@@ -35,6 +35,7 @@ pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 /// Kubernetes `kind` and its API group together: [`Kind::Gateway`] is the
 /// Gateway API's (`gateway.networking.k8s.io`); Istio's `networking.istio.io`
 /// Gateway is a different kind that is not modelled (decoding ignores it).
+/// Serialized as the `kind` string ([`Kind::as_str`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub enum Kind {
     Namespace,
@@ -50,8 +51,11 @@ pub enum Kind {
     Sidecar,
     /// The Gateway API Gateway (not Istio's `networking.istio.io` one).
     Gateway,
+    #[serde(rename = "HTTPRoute")]
     HttpRoute,
+    #[serde(rename = "GRPCRoute")]
     GrpcRoute,
+    #[serde(rename = "TCPRoute")]
     TcpRoute,
     Node,
 }

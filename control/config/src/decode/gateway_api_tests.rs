@@ -118,6 +118,18 @@ spec:
         Some(Kind::VirtualService)
     );
     assert_eq!(Kind::from_group_kind("", "Node"), Some(Kind::Node));
+    for kind in Kind::ALL {
+        let json = serde_json::to_value(kind).unwrap();
+        assert_eq!(
+            json,
+            kind.as_str(),
+            "{kind:?} serializes as its kind string"
+        );
+        assert_eq!(
+            Kind::from_group_kind(kind.group(), kind.as_str()),
+            Some(kind)
+        );
+    }
 }
 
 pub(super) const GAMMA_CANARY_ROUTE: &str = "\
