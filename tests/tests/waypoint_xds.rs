@@ -10,10 +10,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ambit_control::ca::{Caller, StaticTokens};
-use ambit_control::model::Snapshot;
 use ambit_control::model::waypoint::{
     BoundEndpoint, BoundPort, BoundService, Protocol, WaypointPlan, families,
 };
+use ambit_control::model::{ModelOptions, Snapshot, Store, build_snapshot};
 use ambit_control::xds::{ProxyRegistry, XdsAccess, XdsMetrics, XdsServer};
 use ambit_tests::envoy::{Envoy, dump_names};
 use ambit_tests::netbed::{self, Cluster};
@@ -59,6 +59,9 @@ fn plan() -> WaypointPlan {
                     endpoint([10, 10, 1, 10], "llm", "v1"),
                     endpoint([10, 10, 1, 11], "llm-v2", "v2"),
                 ],
+                bound: true,
+                rules: Default::default(),
+                destination_rule: None,
             },
             BoundService {
                 namespace: "shop".into(),
@@ -71,8 +74,12 @@ fn plan() -> WaypointPlan {
                     protocol: Protocol::Grpc,
                 }],
                 endpoints: vec![],
+                bound: true,
+                rules: Default::default(),
+                destination_rule: None,
             },
         ],
+        findings: Vec::new(),
     }
 }
 
@@ -126,17 +133,18 @@ fn bootstrap(xds_socket: &str, sds_socket: &str) -> Value {
     })
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn envoy_accepts_every_waypoint_resource() {
-    if !netbed::can_run("envoy_accepts_every_waypoint_resource") {
-        return;
-    }
+/// A waypoint Envoy in a pod netns fed by an in-process xDS server over a
+/// unix socket; the xDS server serves what `snapshots` publishes.
+struct Bed {
+    _cluster: Cluster,
+    _dir: tempfile::TempDir,
+    envoy: Envoy,
+    registry: Arc<ProxyRegistry>,
+}
+
+async fn bed(snapshots: watch::Receiver<Arc<Snapshot>>) -> Bed {
     let mut cluster = Cluster::new(1).unwrap();
     let pod = cluster.add_pod(0, "waypoint").unwrap();
-
-    let mut snap = Snapshot::following(&Snapshot::default(), families(&plan(), "cluster.local"));
-    snap.synced = true;
-    let (_tx, rx) = watch::channel(Arc::new(snap));
     let registry = Arc::new(ProxyRegistry::default());
     let access = XdsAccess::new(
         Arc::new(StaticTokens::new([(
@@ -150,7 +158,7 @@ async fn envoy_accepts_every_waypoint_resource() {
         vec![],
     );
     let server = XdsServer::new(
-        rx,
+        snapshots,
         access,
         registry.clone(),
         XdsMetrics::register(&mut Registry::default()),
@@ -163,7 +171,6 @@ async fn envoy_accepts_every_waypoint_resource() {
             .add_service(server.into_service())
             .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
     );
-
     let envoy = Envoy::start(
         &bootstrap(
             &xds_socket.display().to_string(),
@@ -172,49 +179,63 @@ async fn envoy_accepts_every_waypoint_resource() {
         Some(&pod.netns),
     )
     .unwrap();
+    Bed {
+        _cluster: cluster,
+        _dir: dir,
+        envoy,
+        registry,
+    }
+}
 
-    // Every type is ACKed and nothing NACKed.
-    let acked = ambit_tests::eventually(
-        Duration::from_secs(20),
-        "ACKs of CDS, EDS, LDS, RDS",
-        || {
+impl Bed {
+    /// Waits until the stream processed snapshot `seq` and Envoy ACKed the
+    /// last response of every type; fails on any NACK.
+    async fn acked(&self, seq: u64, what: &str) {
+        let registry = self.registry.clone();
+        let done = ambit_tests::eventually(Duration::from_secs(30), what, || {
             let proxies = registry.proxies();
             async move {
                 let p = proxies.first()?;
-                let all = [
+                let types = [
                     "cluster.v3.Cluster",
                     "ClusterLoadAssignment",
                     "listener.v3.Listener",
                     "RouteConfiguration",
-                ]
-                .iter()
-                .all(|t| {
-                    p.types
-                        .iter()
-                        .any(|(url, s)| url.ends_with(t) && s.acks > 0)
+                ];
+                let all = types.iter().all(|t| {
+                    p.types.iter().any(|(url, s)| {
+                        url.ends_with(t) && s.acks > 0 && s.last_nonce_acked == s.last_nonce_sent
+                    })
                 });
-                all.then(|| p.clone())
+                (p.last_snapshot_seq >= seq && all).then_some(())
             }
-        },
-    )
-    .await;
-    let nacks = registry.nacks();
-    assert!(
-        nacks.is_empty(),
-        "envoy NACKed: {nacks:#?}\n{}",
-        envoy.log()
-    );
-    let p = acked.unwrap_or_else(|e| {
-        panic!(
-            "{e}\nconnections: {:#?}\n{}",
-            registry.proxies(),
-            envoy.log()
-        )
-    });
-    assert_eq!(p.kind, "waypoint");
-    for (t, s) in &p.types {
-        assert_eq!(s.nacks, 0, "{t}");
+        })
+        .await;
+        let nacks = self.registry.nacks();
+        assert!(nacks.is_empty(), "{what}: envoy NACKed: {nacks:#?}");
+        if let Err(e) = done {
+            panic!(
+                "{e}\nconnections: {:#?}\n{}",
+                self.registry.proxies(),
+                self.envoy.log()
+            );
+        }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_accepts_every_waypoint_resource() {
+    if !netbed::can_run("envoy_accepts_every_waypoint_resource") {
+        return;
+    }
+    let mut snap = Snapshot::following(&Snapshot::default(), families(&plan(), "cluster.local"));
+    snap.synced = true;
+    let (_tx, rx) = watch::channel(Arc::new(snap));
+    let bed = bed(rx).await;
+    bed.acked(1, "ACKs of CDS, EDS, LDS, RDS").await;
+    let envoy = &bed.envoy;
+    let p = bed.registry.proxies().remove(0);
+    assert_eq!(p.kind, "waypoint");
 
     let dump = envoy
         .wait_config(Duration::from_secs(10), "every listener in the dump", |d| {
@@ -237,4 +258,54 @@ async fn envoy_accepts_every_waypoint_resource() {
             .contains(&"connect_originate;spiffe://cluster.local/ns/shop/sa/llm-v2".to_string()),
         "{listeners:?}"
     );
+}
+
+/// Every routing shape of the corpus (`tests/fixtures/waypoint/corpus`),
+/// translated from YAML by the real model, is ACKed by Envoy, one after
+/// the other on one stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_accepts_the_routing_corpus() {
+    if !netbed::can_run("envoy_accepts_the_routing_corpus") {
+        return;
+    }
+    let fixtures = ambit_tests::workspace_root().join("tests/fixtures/waypoint");
+    let read = |path: &std::path::Path| {
+        let text = std::fs::read_to_string(path).unwrap();
+        let (objects, errors) = ambit_config::parse_documents(path, &text);
+        assert!(errors.is_empty(), "{}: {errors:#?}", path.display());
+        objects
+    };
+    let base = read(&fixtures.join("base.yaml"));
+    let mut shapes: Vec<_> = std::fs::read_dir(fixtures.join("corpus"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    shapes.sort();
+    assert!(shapes.len() >= 30, "the corpus has {} shapes", shapes.len());
+    let opts = ModelOptions::default();
+    let mut snap = build_snapshot(
+        &Store::from_objects(base.clone()),
+        &Snapshot::default(),
+        &opts,
+    );
+    snap.synced = true;
+    let (tx, rx) = watch::channel(Arc::new(snap));
+    let bed = bed(rx).await;
+    bed.acked(1, "the base mesh").await;
+    for path in &shapes {
+        let mut objects = base.clone();
+        objects.extend(read(path));
+        let prev = tx.borrow().clone();
+        let next = build_snapshot(&Store::from_objects(objects), &prev, &opts);
+        let seq = next.seq;
+        let scope = ambit_control::model::waypoint::scope("shop", "waypoint");
+        assert!(
+            next.set(&scope, ambit_control::model::waypoint::ROUTE_TYPE)
+                .is_some(),
+            "{}: no waypoint routes",
+            path.display()
+        );
+        tx.send_replace(Arc::new(next));
+        bed.acked(seq, &path.display().to_string()).await;
+    }
 }

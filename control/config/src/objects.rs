@@ -516,6 +516,9 @@ pub struct ServicePort {
     pub target_port: Option<TargetPort>,
     #[serde(deserialize_with = "nullable")]
     pub protocol: String,
+    /// `appProtocol` (e.g. `http`, `kubernetes.io/h2c`): wins over the
+    /// port name when the mesh infers the application protocol.
+    pub app_protocol: Option<String>,
 }
 
 /// A Service `targetPort`: a number or the name of a container port.

@@ -14,8 +14,9 @@ use envoy_types::pb::envoy::config::cluster::v3::{
     },
 };
 use envoy_types::pb::envoy::config::core::v3::{
-    Address, EnvoyInternalAddress, HealthStatus, Http2ProtocolOptions, Metadata, TransportSocket,
-    address, envoy_internal_address::AddressNameSpecifier, transport_socket::ConfigType,
+    Address, EnvoyInternalAddress, HealthStatus, Http2ProtocolOptions,
+    HttpProtocolOptions as CommonHttpOptions, Metadata, TransportSocket, address,
+    envoy_internal_address::AddressNameSpecifier, transport_socket::ConfigType,
 };
 use envoy_types::pb::envoy::config::endpoint::v3::{
     ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint::HostIdentifier,
@@ -40,7 +41,7 @@ use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind as ValueKind}
 
 use super::envoy::{any, duration, hbone_client_tls, u32_value};
 use super::listeners::{MAIN_INTERNAL, originate_name};
-use super::{CLUSTER_TYPE, ENDPOINT_TYPE, HBONE_PORT, WaypointPlan, cluster_name};
+use super::{CLUSTER_TYPE, ENDPOINT_TYPE, HBONE_PORT, WaypointPlan, cluster_name, policy};
 use crate::model::snapshot::XdsResource;
 
 /// Metadata namespace carrying an endpoint's real address.
@@ -63,10 +64,13 @@ pub fn clusters(plan: &WaypointPlan) -> Vec<XdsResource> {
     out.extend(identities.into_iter().map(originate));
     for svc in &plan.services {
         for port in &svc.ports {
-            out.push(service_cluster(
-                cluster_name(port.port, "", &svc.hostname),
-                port.protocol.is_http(),
-            ));
+            for v in policy::variants(svc.destination_rule.as_ref(), port.port) {
+                out.push(service_cluster(
+                    cluster_name(port.port, &v.subset, &svc.hostname),
+                    port.protocol.is_http(),
+                    &v.policy,
+                ));
+            }
         }
     }
     out.into_iter()
@@ -79,22 +83,29 @@ pub fn endpoints(plan: &WaypointPlan) -> Vec<XdsResource> {
     let mut out = Vec::new();
     for svc in &plan.services {
         for port in &svc.ports {
-            let name = cluster_name(port.port, "", &svc.hostname);
-            let lb_endpoints = svc
-                .endpoints
-                .iter()
-                .filter_map(|e| Some((e, e.target_port(port.port)?)))
-                .map(|(e, target)| tunnel_endpoint(e.ip, target, &e.identity, e.healthy))
-                .collect();
-            let cla = ClusterLoadAssignment {
-                cluster_name: name.clone(),
-                endpoints: vec![LocalityLbEndpoints {
-                    lb_endpoints,
+            for v in policy::variants(svc.destination_rule.as_ref(), port.port) {
+                let name = cluster_name(port.port, &v.subset, &svc.hostname);
+                let lb_endpoints = svc
+                    .endpoints
+                    .iter()
+                    .filter(|e| {
+                        v.selector
+                            .iter()
+                            .all(|(k, val)| e.labels.get(k) == Some(val))
+                    })
+                    .filter_map(|e| Some((e, e.target_port(port.port)?)))
+                    .map(|(e, target)| tunnel_endpoint(e.ip, target, &e.identity, e.healthy))
+                    .collect();
+                let cla = ClusterLoadAssignment {
+                    cluster_name: name.clone(),
+                    endpoints: vec![LocalityLbEndpoints {
+                        lb_endpoints,
+                        ..Default::default()
+                    }],
                     ..Default::default()
-                }],
-                ..Default::default()
-            };
-            out.push(XdsResource::new(ENDPOINT_TYPE, name, Vec::new(), &cla));
+                };
+                out.push(XdsResource::new(ENDPOINT_TYPE, name, Vec::new(), &cla));
+            }
         }
     }
     out
@@ -234,18 +245,8 @@ fn originate(identity: &str) -> Cluster {
 /// A service port's cluster: endpoints from EDS, each an internal address
 /// of its identity's CONNECT-originating listener. HTTP ports speak to the
 /// endpoint in the client's protocol.
-fn service_cluster(name: String, http: bool) -> Cluster {
-    let mut options = HashMap::new();
-    if http {
-        let downstream = HttpProtocolOptions {
-            upstream_protocol_options: Some(UpstreamProtocolOptions::UseDownstreamProtocolConfig(
-                UseDownstreamHttpConfig::default(),
-            )),
-            ..Default::default()
-        };
-        options.insert(HTTP_OPTIONS.to_string(), any(&downstream));
-    }
-    Cluster {
+fn service_cluster(name: String, http: bool, policy: &policy::EffectivePolicy) -> Cluster {
+    let mut cluster = Cluster {
         name: name.clone(),
         cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32)),
         eds_cluster_config: Some(EdsClusterConfig {
@@ -253,9 +254,23 @@ fn service_cluster(name: String, http: bool) -> Cluster {
             service_name: name,
         }),
         connect_timeout: Some(duration(CONNECT_TIMEOUT)),
-        lb_policy: LbPolicy::RoundRobin as i32,
         transport_socket: Some(internal_upstream(&[TUNNEL])),
-        typed_extension_protocol_options: options,
         ..Default::default()
+    };
+    let mut common = CommonHttpOptions::default();
+    policy::apply(&mut cluster, http.then_some(&mut common), policy);
+    if http {
+        let downstream = HttpProtocolOptions {
+            common_http_protocol_options: Some(common)
+                .filter(|c| *c != CommonHttpOptions::default()),
+            upstream_protocol_options: Some(UpstreamProtocolOptions::UseDownstreamProtocolConfig(
+                UseDownstreamHttpConfig::default(),
+            )),
+            ..Default::default()
+        };
+        cluster
+            .typed_extension_protocol_options
+            .insert(HTTP_OPTIONS.to_string(), any(&downstream));
     }
+    cluster
 }

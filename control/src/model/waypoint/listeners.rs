@@ -41,8 +41,10 @@ use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{
 };
 
 use super::envoy::{ads, any, hbone_server_tls, u32_value};
-use super::{HBONE_PORT, LISTENER_TYPE, WaypointPlan, cluster_name, routes::route_name};
+use super::routes::{FAULT_FILTER, route_name};
+use super::{HBONE_PORT, LISTENER_TYPE, WaypointPlan, cluster_name};
 use crate::model::snapshot::XdsResource;
+use envoy_types::pb::envoy::extensions::filters::http::fault::v3::HttpFault;
 
 /// The HBONE-terminating listener.
 pub const CONNECT_TERMINATE: &str = "connect_terminate";
@@ -208,7 +210,7 @@ fn host_range(ip: IpAddr) -> CidrRange {
 /// CONNECT authority) picks one filter chain per service port.
 fn main_internal(plan: &WaypointPlan) -> Listener {
     let mut chains = Vec::new();
-    for svc in &plan.services {
+    for svc in plan.services.iter().filter(|s| s.bound) {
         if svc.vips.is_empty() {
             continue;
         }
@@ -222,10 +224,12 @@ fn main_internal(plan: &WaypointPlan) -> Listener {
                         config_source: Some(ads()),
                         route_config_name: route_name(&svc.hostname, port.port),
                     })),
-                    http_filters: vec![http_filter(
-                        "envoy.filters.http.router",
-                        &Router::default(),
-                    )],
+                    // Faults are configured per route; the filter must be
+                    // in the chain for them to act.
+                    http_filters: vec![
+                        http_filter(FAULT_FILTER, &HttpFault::default()),
+                        http_filter("envoy.filters.http.router", &Router::default()),
+                    ],
                     ..Default::default()
                 };
                 named_filter("envoy.filters.network.http_connection_manager", &hcm)

@@ -31,13 +31,17 @@ use std::net::IpAddr;
 mod clusters;
 mod envoy;
 mod listeners;
+mod plan;
+mod policy;
 mod routes;
+pub mod rules;
 #[cfg(test)]
 mod tests;
 
 use super::snapshot::ResourceFamily;
 
 pub use envoy::{SDS_CLUSTER, SECRET_CERTIFICATE, SECRET_ROOTS};
+pub(crate) use plan::plan;
 
 /// Envoy's type URLs, in ADS push order.
 pub const CLUSTER_TYPE: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
@@ -59,10 +63,36 @@ pub fn scope(namespace: &str, name: &str) -> String {
 pub struct WaypointPlan {
     pub namespace: String,
     pub name: String,
+    /// Services bound to the waypoint, and the services their rules send
+    /// traffic to.
     pub services: Vec<BoundService>,
+    /// Config mistakes found while planning, for `/debug/config_errors`.
+    pub findings: Vec<Finding>,
 }
 
-/// A service whose traffic goes through the waypoint.
+/// A config mistake the translation found (the object still serves as
+/// described in `reason`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finding {
+    pub kind: String,
+    pub namespace: String,
+    pub name: String,
+    pub reason: String,
+}
+
+impl Finding {
+    /// A finding about the waypoint itself.
+    pub fn waypoint(plan: &WaypointPlan, reason: String) -> Finding {
+        Finding {
+            kind: "Gateway".into(),
+            namespace: plan.namespace.clone(),
+            name: plan.name.clone(),
+            reason,
+        }
+    }
+}
+
+/// A service the waypoint handles traffic for, or sends traffic to.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BoundService {
     pub namespace: String,
@@ -72,6 +102,13 @@ pub struct BoundService {
     pub vips: Vec<IpAddr>,
     pub ports: Vec<BoundPort>,
     pub endpoints: Vec<BoundEndpoint>,
+    /// Traffic addressed to this service arrives at the waypoint (it gets a
+    /// filter chain); otherwise it is only a destination of some rule.
+    pub bound: bool,
+    /// Routing rules per HTTP port (none: everything to the service).
+    pub rules: std::collections::BTreeMap<u16, Vec<rules::RouteRule>>,
+    /// Subsets and traffic policy.
+    pub destination_rule: Option<ambit_config::networking::DestinationRule>,
 }
 
 /// One port of a bound service.
