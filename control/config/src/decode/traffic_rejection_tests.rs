@@ -84,6 +84,14 @@ fn unusable_istio_values_are_rejected_with_path_and_line() {
     let route = "    route: [{destination: {host: llm}}]\n";
     let cases: Vec<(String, &str, usize, &str)> = vec![
         (
+            vs_with_rule(
+                "    route:\n    - destination: {host: llm, subset: v1}\n      weight: 80\n    - destination: {host: llm, subset: v2}\n      weight: 30\n",
+            ),
+            "spec.http[0]",
+            7,
+            "weights sum to 110, not 100",
+        ),
+        (
             vs_with_rule(&format!("{route}    timeout: 10 seconds\n")),
             "spec.http[0].timeout",
             9,

@@ -30,6 +30,10 @@ pub enum VirtualServiceError {
     NoHttpAction,
     #[error("mirror and mirrors are both set; list every mirror under mirrors")]
     MirrorAndMirrors,
+    #[error(
+        "the route's destination weights sum to {0}, not 100; make them add up to 100 (e.g. 80 and 20 — 100 and 0 to send everything to one)"
+    )]
+    WeightSum(u64),
     #[error("the abort sets {0}; set exactly one of httpStatus, grpcStatus, http2Error")]
     AbortStatus(&'static str),
     #[error(transparent)]
@@ -115,6 +119,13 @@ impl CheckOnDecode for HttpRoute {
         }
         if self.mirror.is_some() && !self.mirrors.is_empty() {
             return Err(VirtualServiceError::MirrorAndMirrors);
+        }
+        // Istio's rule: weights of several destinations add up to 100; a
+        // lone destination may leave its weight out.
+        let sum: u64 = self.route.iter().map(|d| u64::from(d.weight)).sum();
+        let lone_default = self.route.len() == 1 && matches!(sum, 0 | 100);
+        if !self.route.is_empty() && !lone_default && sum != 100 {
+            return Err(VirtualServiceError::WeightSum(sum));
         }
         Ok(())
     }
