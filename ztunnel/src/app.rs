@@ -22,7 +22,7 @@ use crate::identity::IdentityError;
 use crate::identity::{CertificateManager, Identity};
 use crate::inpod::{InpodConfig, InpodManager, PodSet};
 use crate::metrics::Metrics;
-use crate::proxy::{ProxyConfig, ProxyContext, workload_identity};
+use crate::proxy::{ProxyConfig, ProxyContext, tls_cache, workload_identity};
 use crate::rbac::PolicyCache;
 use crate::state::{StateReader, StateSnapshot, TunnelProtocol, new_state};
 use crate::xds::{XdsClient, XdsClientConfig, XdsError, XdsHandle};
@@ -136,6 +136,15 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
             },
         ));
         let ctx_for_policies = ctx.clone();
+        tasks.push(tokio::spawn(
+            tls_cache::follow_certificates(
+                certificates.clone(),
+                ctx.tls.clone(),
+                pool.clone(),
+                watcher.clone(),
+            )
+            .instrument(span.clone()),
+        ));
         let inpod = InpodManager::spawn(InpodConfig::default(), watcher.clone(), Some(ctx));
         pods = inpod.pods.clone();
         let zds = ZdsClient::new(ZdsClientConfig::new(path), inpod.commands);

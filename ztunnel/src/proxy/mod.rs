@@ -9,7 +9,8 @@
 //! ```
 //!
 //! * [`ProxyContext`] is shared by every pod: state reader, certificates,
-//!   the HBONE pool, metrics, the policy cache and a TLS config cache.
+//!   the HBONE pool, metrics, the policy cache and the TLS config cache
+//!   (`tls_cache.rs`, evicted when an identity leaves or is renewed).
 //! * [`PodContext`] (`pod.rs`) is one enrolled pod: its identity, a socket
 //!   thread inside its netns ([`ambit_inpod::NetnsSockets`]) and its own
 //!   drain signal, so removing a pod drains only its connections.
@@ -27,22 +28,22 @@ pub mod metrics;
 pub mod outbound;
 mod pod;
 mod resolve;
+pub mod tls_cache;
 
-use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use ambit_inpod::ZTUNNEL_MARK;
 use hyper::http::StatusCode;
-use rustls::ClientConfig;
+use rustls::{ClientConfig, ServerConfig};
 
 use crate::copy::{CopyConfig, CopyError};
 use crate::drain::DRAIN_DEADLINE;
 use crate::hbone::HbonePool;
-use crate::hbone::{ClientError, PoolError, ServerError, TlsError, client_config};
+use crate::hbone::{ClientError, PoolError, ServerError, TlsError};
 use crate::identity::{
     CertificateManager, Identity, IdentityError, TrustBundle, WorkloadCertificate,
 };
@@ -53,6 +54,7 @@ use self::metrics::{PeerInfo, TcpMetrics};
 
 pub use pod::{ConnGuard, PodConnections, PodContext};
 pub use resolve::{Resolved, resolve};
+pub use tls_cache::{TlsCache, TlsCacheStats};
 
 /// Trust domain of workloads that do not name one.
 pub const DEFAULT_TRUST_DOMAIN: &str = "cluster.local";
@@ -165,12 +167,6 @@ impl Default for ProxyConfig {
     }
 }
 
-struct CachedClient {
-    cert: Arc<WorkloadCertificate>,
-    bundle: Arc<TrustBundle>,
-    config: Arc<ClientConfig>,
-}
-
 /// What every pod's proxies share.
 pub struct ProxyContext {
     pub node: String,
@@ -185,7 +181,8 @@ pub struct ProxyContext {
     pub cfg: ProxyConfig,
     /// Inbound connections, rechecked when policy changes.
     pub live: Arc<live::LiveConnections>,
-    client_tls: Mutex<HashMap<(Identity, Identity), CachedClient>>,
+    /// rustls configs per local identity; see [`tls_cache`].
+    pub tls: Arc<TlsCache>,
     /// Round-robin cursor for picking a service's endpoint.
     round_robin: AtomicUsize,
 }
@@ -223,7 +220,7 @@ impl ProxyContext {
             policies,
             cfg,
             live: Arc::default(),
-            client_tls: Mutex::new(HashMap::new()),
+            tls: Arc::default(),
             round_robin: AtomicUsize::new(0),
         }
     }
@@ -232,35 +229,18 @@ impl ProxyContext {
         self.certificates.trust_bundle().borrow().clone()
     }
 
-    /// The client TLS config presenting `cert` and pinning `peer`, cached
-    /// until the certificate or the trust bundle changes.
+    /// The client TLS config presenting `cert` and pinning `peer` (cached).
     fn client_config(
         &self,
         cert: &Arc<WorkloadCertificate>,
         peer: &Identity,
     ) -> Result<Arc<ClientConfig>, TlsError> {
-        let bundle = self.bundle();
-        let key = (cert.identity.clone(), peer.clone());
-        let mut cache = self
-            .client_tls
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(c) = cache.get(&key)
-            && Arc::ptr_eq(&c.cert, cert)
-            && Arc::ptr_eq(&c.bundle, &bundle)
-        {
-            return Ok(c.config.clone());
-        }
-        let config = Arc::new(client_config(cert, &bundle, peer.clone())?);
-        cache.insert(
-            key,
-            CachedClient {
-                cert: cert.clone(),
-                bundle,
-                config: config.clone(),
-            },
-        );
-        Ok(config)
+        self.tls.client(cert, &self.bundle(), peer)
+    }
+
+    /// The HBONE server config presenting `cert` (cached).
+    fn server_config(&self, cert: &Arc<WorkloadCertificate>) -> Result<Arc<ServerConfig>, TlsError> {
+        self.tls.server(cert, &self.bundle())
     }
 
     async fn certificate(&self, id: &Identity) -> Result<Arc<WorkloadCertificate>, ProxyError> {
