@@ -5,6 +5,7 @@
 //!
 //! ```text
 //!  MeshBed::new(nodes, pods)      netns per node and pod, IPs assigned
+//!  (MeshBed::dual_stack: IPv6 too; each pod's YAML lists both addresses)
 //!  bed.start(extra_yaml).await    control plane + ztunnels + ZDS hand-over
 //!  bed.connect("client", addr)    a plain connection from inside a pod
 //! ```
@@ -14,7 +15,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -143,13 +144,23 @@ impl MeshBed {
     /// (access log included) go to the test's captured output, shown when
     /// a test fails; `RUST_LOG` overrides the default `info`.
     pub fn new(nodes: usize, specs: &[PodSpec]) -> Result<Self> {
+        Self::build(Cluster::new(nodes)?, specs)
+    }
+
+    /// [`MeshBed::new`] on a dual-stack cluster ([`Cluster::dual_stack`]):
+    /// every pod has an IPv4 and an IPv6 address, both in its workload.
+    pub fn dual_stack(nodes: usize, specs: &[PodSpec]) -> Result<Self> {
+        Self::build(Cluster::dual_stack(nodes)?, specs)
+    }
+
+    fn build(mut cluster: Cluster, specs: &[PodSpec]) -> Result<Self> {
+        let nodes = cluster.nodes();
         let filter = tracing_subscriber::EnvFilter::try_from_default_env()
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
         let _ = tracing_subscriber::fmt()
             .with_test_writer()
             .with_env_filter(filter)
             .try_init();
-        let mut cluster = Cluster::new(nodes)?;
         let mut pods = BTreeMap::new();
         for s in specs {
             if s.node >= nodes {
@@ -187,6 +198,14 @@ impl MeshBed {
         self.pod(name).ip
     }
 
+    /// A pod's IPv6 address (dual-stack beds only; panics otherwise).
+    pub fn ip6(&self, name: &str) -> Ipv6Addr {
+        match self.pod(name).ip6 {
+            Some(ip) => ip,
+            None => panic!("pod {name} has no IPv6 address (use MeshBed::dual_stack)"),
+        }
+    }
+
     /// The YAML for namespaces and pods.
     fn base_yaml(&self) -> String {
         let mut ns: BTreeMap<&str, bool> = BTreeMap::new();
@@ -209,7 +228,7 @@ impl MeshBed {
                 y,
                 "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {}\n  namespace: {}\n  uid: {}\n  \
                  labels: {{app: {}, version: v1}}\nspec:\n  nodeName: {}\n  serviceAccountName: {}\n\
-                 status:\n  podIP: {}\n---\n",
+                 status:\n  podIP: {}\n",
                 s.name,
                 s.namespace,
                 pod_uid(s),
@@ -218,6 +237,14 @@ impl MeshBed {
                 s.service_account,
                 self.ip(&s.name)
             );
+            if let Some(ip6) = self.pod(&s.name).ip6 {
+                let _ = write!(
+                    y,
+                    "  podIPs: [{{ip: '{}'}}, {{ip: '{ip6}'}}]\n",
+                    self.ip(&s.name)
+                );
+            }
+            y.push_str("---\n");
         }
         y
     }
