@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 pub mod enrollbed;
+pub mod h2raw;
 pub mod meshbed;
 pub mod netbed;
 

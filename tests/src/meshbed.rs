@@ -370,6 +370,53 @@ impl MeshBed {
             .context("connect timed out")?
     }
 
+    /// Writes `msg` on a fresh connection from pod `from` to `dst` and
+    /// returns the echo (as long as `msg`); fails when none comes in time.
+    pub async fn echo_once(&self, from: &str, dst: SocketAddr, msg: &[u8]) -> Result<Vec<u8>> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = self.connect(from, dst).await?;
+        tokio::time::timeout(WAIT, async {
+            s.write_all(msg).await?;
+            let mut got = vec![0u8; msg.len()];
+            s.read_exact(&mut got).await?;
+            Ok::<_, std::io::Error>(got)
+        })
+        .await
+        .with_context(|| format!("echo from {from} to {dst} timed out"))?
+        .with_context(|| format!("echo from {from} to {dst}"))
+    }
+
+    /// Whether a connection from pod `from` to `dst` is refused: it cannot
+    /// be made, or what comes back is not the echo (reset, closed, or e.g.
+    /// a TLS alert from an HBONE port) in time.
+    pub async fn refused(&self, from: &str, dst: SocketAddr) -> Result<bool> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let Ok(mut s) = self.connect(from, dst).await else {
+            return Ok(true);
+        };
+        let r = tokio::time::timeout(WAIT, async {
+            s.write_all(b"ping").await?;
+            let mut buf = [0u8; 4];
+            s.read_exact(&mut buf).await.map(|_| buf)
+        })
+        .await
+        .with_context(|| format!("neither refused nor echoed: {from} -> {dst}"))?;
+        Ok(!matches!(r, Ok(b) if &b == b"ping"))
+    }
+
+    /// Polls [`MeshBed::refused`] until it says `want` (a config change is
+    /// applied asynchronously), bounded by [`WAIT`].
+    pub async fn wait_refused(&self, from: &str, dst: SocketAddr, want: bool) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while self.refused(from, dst).await? != want {
+            if tokio::time::Instant::now() > deadline {
+                bail!("{from} -> {dst}: refused is still {} after {WAIT:?}", !want);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
+    }
+
     /// An echo server in pod `name` on `port`.
     pub async fn echo(&self, name: &str, port: u16) -> Result<App> {
         netbed::echo_server(self.pod(name), port).await

@@ -57,7 +57,10 @@ fn assert_rules(save: &str, family: redirect::Family) {
         .chain(redirect::jump_lines());
     for (table, line) in expected {
         let n = save.lines().filter(|l| l.trim_end() == line).count();
-        assert_eq!(n, 1, "{family} {table}: {line:?} appears {n} times in:\n{save}");
+        assert_eq!(
+            n, 1,
+            "{family} {table}: {line:?} appears {n} times in:\n{save}"
+        );
     }
 }
 
@@ -92,7 +95,10 @@ async fn both_families_are_installed_checked_and_removed_together() {
             "ip {flag} rule: {rules}"
         );
         let routes = ns_out(&a.netns, &["ip", flag, "route", "show", "table", "133"]);
-        assert!(routes.starts_with("local default dev lo"), "{flag}: {routes}");
+        assert!(
+            routes.starts_with("local default dev lo"),
+            "{flag}: {routes}"
+        );
     }
 
     // Losing only the IPv6 half reads as not installed; install repairs it.
@@ -100,8 +106,19 @@ async fn both_families_are_installed_checked_and_removed_together() {
     assert!(!redirect::is_installed(&a.path()).unwrap());
     redirect::install(&a.path(), &ports).unwrap();
     assert!(redirect::is_installed(&a.path()).unwrap());
-    netbed::netns_exec(&a.netns, &["ip6tables", "-t", "nat", "-D", "OUTPUT", "-j", "AMBIT_OUTPUT"])
-        .unwrap();
+    netbed::netns_exec(
+        &a.netns,
+        &[
+            "ip6tables",
+            "-t",
+            "nat",
+            "-D",
+            "OUTPUT",
+            "-j",
+            "AMBIT_OUTPUT",
+        ],
+    )
+    .unwrap();
     assert!(!redirect::is_installed(&a.path()).unwrap());
     redirect::install(&a.path(), &ports).unwrap();
 
@@ -250,7 +267,10 @@ async fn ipv6_traffic_is_captured_like_ipv4() {
     // Without the IPv6 policy route, the delivery stalls: the route matters.
     netbed::ip(&["-n", &a.netns, "-6", "rule", "del", "pref", "32764"]).unwrap();
     let stalled = timeout(Duration::from_millis(500), deliver6(&a, 8081, source)).await;
-    assert!(stalled.is_err(), "IPv6 delivery worked without the policy route");
+    assert!(
+        stalled.is_err(),
+        "IPv6 delivery worked without the policy route"
+    );
     redirect::remove(&a.path()).unwrap();
     echo_ok(&a, b.addr6(8080), &plain).await;
 }

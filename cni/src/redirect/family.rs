@@ -182,7 +182,13 @@ impl Fam<'_> {
     }
 
     fn restore(&self, script: &str) -> Result<()> {
-        run(self.ns, self.p.restore(self.f), &["--noflush"], Some(script)).map(|_| ())
+        run(
+            self.ns,
+            self.p.restore(self.f),
+            &["--noflush"],
+            Some(script),
+        )
+        .map(|_| ())
     }
 
     fn rule_present(&self) -> Result<bool> {

@@ -197,7 +197,10 @@ impl PodNet {
     pub fn addr6(&self, port: u16) -> SocketAddr {
         match self.ip6 {
             Some(ip) => SocketAddr::new(ip.into(), port),
-            None => panic!("pod {} has no IPv6 address (use Cluster::dual_stack)", self.name),
+            None => panic!(
+                "pod {} has no IPv6 address (use Cluster::dual_stack)",
+                self.name
+            ),
         }
     }
 }

@@ -176,7 +176,10 @@ async fn an_idle_connection_is_closed_after_the_header_read_timeout() {
     let (addr, _stop) = start(limits).await;
     // Never sends a byte.
     let mut silent = TcpStream::connect(addr).await.unwrap();
-    assert!(closed_within(&mut silent, WAIT).await, "silent connection closed");
+    assert!(
+        closed_within(&mut silent, WAIT).await,
+        "silent connection closed"
+    );
     // Sends half a head, then stalls (slowloris).
     let mut slow = TcpStream::connect(addr).await.unwrap();
     slow.write_all(b"GET /healthz/ready HTTP/1.1\r\nHost: x\r\n")
@@ -189,7 +192,10 @@ async fn an_idle_connection_is_closed_after_the_header_read_timeout() {
         .await
         .unwrap();
     let mut b = [0u8; 12];
-    timeout(WAIT, kept.read_exact(&mut b)).await.unwrap().unwrap();
+    timeout(WAIT, kept.read_exact(&mut b))
+        .await
+        .unwrap()
+        .unwrap();
     let mut rest = Vec::new();
     let closed = timeout(WAIT, kept.read_to_end(&mut rest)).await;
     assert!(closed.is_ok(), "idle kept-alive connection closed");

@@ -140,7 +140,10 @@ async fn a_thousand_streams_on_one_connection_never_exceed_the_stream_limit() {
         "exactly the limit is open while the rest wait"
     );
     release_tx.send_replace(true);
-    while let Some(r) = timeout(WAIT, clients.join_next()).await.expect("all streams served") {
+    while let Some(r) = timeout(WAIT, clients.join_next())
+        .await
+        .expect("all streams served")
+    {
         r.unwrap().unwrap();
     }
     let max = counts.max.load(Ordering::SeqCst);
@@ -148,7 +151,11 @@ async fn a_thousand_streams_on_one_connection_never_exceed_the_stream_limit() {
         max <= MAX_CONCURRENT_STREAMS as usize,
         "the server held {max} streams of one connection at once"
     );
-    assert_eq!(counts.total.load(Ordering::SeqCst), STREAMS, "every stream served in turn");
+    assert_eq!(
+        counts.total.load(Ordering::SeqCst),
+        STREAMS,
+        "every stream served in turn"
+    );
     assert!(conn.is_usable(), "a conforming client is never refused");
     println!(
         "stream flood: {STREAMS} streams, at most {max} open at once; RSS {before} KiB -> {peak} KiB \
@@ -180,7 +187,11 @@ async fn oversized_headers_are_refused_on_their_stream_only() {
         .expect_err("200 KiB of headers must be refused");
     match &err {
         ClientError::Status { status, .. } => {
-            assert_eq!(*status, StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, "{err}")
+            assert_eq!(
+                *status,
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "{err}"
+            )
         }
         other => panic!("expected 431, got {other}"),
     }

@@ -66,7 +66,10 @@ pub enum ProxyError {
         "cannot read the original destination of a redirected connection: {0} (is the pod's redirection installed with REDIRECT?)"
     )]
     OriginalDst(io::Error),
-    #[error("connection to {0} refused: it would loop back into ztunnel")]
+    #[error(
+        "connection to {0} refused: that port is one of ztunnel's own (15001/15006/15008 in pods, \
+         15000/15020/15021 on the node), never a destination"
+    )]
     Loop(SocketAddr),
     #[error("{addr} is not an address of pod {pod} on this node; refusing (never an open proxy)")]
     NotThisPod { addr: SocketAddr, pod: String },
@@ -239,7 +242,10 @@ impl ProxyContext {
     }
 
     /// The HBONE server config presenting `cert` (cached).
-    fn server_config(&self, cert: &Arc<WorkloadCertificate>) -> Result<Arc<ServerConfig>, TlsError> {
+    fn server_config(
+        &self,
+        cert: &Arc<WorkloadCertificate>,
+    ) -> Result<Arc<ServerConfig>, TlsError> {
         self.tls.server(cert, &self.bundle())
     }
 

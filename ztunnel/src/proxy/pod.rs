@@ -139,11 +139,10 @@ impl PodContext {
     ) -> Result<Arc<ServerConfig>, ProxyError> {
         let id = self.identity(ctx, &ctx.state.load());
         let cert = ctx.certificate(&id).await?;
-        ctx.server_config(&cert)
-            .map_err(|source| ProxyError::Tls {
-                identity: id,
-                source,
-            })
+        ctx.server_config(&cert).map_err(|source| ProxyError::Tls {
+            identity: id,
+            source,
+        })
     }
 
     /// Connects to `dst` from inside the pod, marked so the pod's rules let

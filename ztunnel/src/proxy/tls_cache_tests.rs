@@ -142,9 +142,10 @@ async fn an_identity_whose_pods_left_keeps_no_config_no_key_no_pooled_connection
         pool.stats().connections() == 0
     })
     .await;
-    eventually("no certificate, config or key of it is left anywhere", || {
-        gone(&weak.0) && gone(&weak.1) && gone(&weak.2)
-    })
+    eventually(
+        "no certificate, config or key of it is left anywhere",
+        || gone(&weak.0) && gone(&weak.1) && gone(&weak.2),
+    )
     .await;
     // The identity that stays is untouched.
     let stats = cache.stats();
@@ -156,7 +157,10 @@ async fn an_identity_whose_pods_left_keeps_no_config_no_key_no_pooled_connection
         &cache.client(&other, &b, &peer).unwrap(),
         &other_client
     ));
-    assert!(Arc::ptr_eq(&cache.server(&other, &b).unwrap(), &other_server));
+    assert!(Arc::ptr_eq(
+        &cache.server(&other, &b).unwrap(),
+        &other_server
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
