@@ -206,6 +206,18 @@ impl MeshBed {
         }
     }
 
+    /// Removes pod `name` from the served config (as if it were deleted
+    /// from the cluster): its workload leaves xDS. Pair with
+    /// [`MeshBed::unenroll`] to also take it from its ztunnel.
+    pub fn remove_from_config(&mut self, name: &str) -> Result<()> {
+        let before = self.specs.len();
+        self.specs.retain(|s| s.name != name);
+        if self.specs.len() == before {
+            bail!("no pod {name} in the bed's config");
+        }
+        self.write_config("pods.yaml", &self.base_yaml())
+    }
+
     /// The YAML for namespaces and pods.
     fn base_yaml(&self) -> String {
         let mut ns: BTreeMap<&str, bool> = BTreeMap::new();

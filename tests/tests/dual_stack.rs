@@ -133,9 +133,21 @@ async fn dual_stack_pods_get_the_same_mesh_over_ipv4_and_ipv6() {
     bed.wait_refused("client", SocketAddr::new(v6, 8082), true)
         .await
         .unwrap();
-    assert!(!bed.refused("client", SocketAddr::new(v4, 8082)).await.unwrap());
-    assert!(bed.refused("client", SocketAddr::new(v4, 8083)).await.unwrap());
-    assert!(!bed.refused("client", SocketAddr::new(v6, 8083)).await.unwrap());
+    assert!(
+        !bed.refused("client", SocketAddr::new(v4, 8082))
+            .await
+            .unwrap()
+    );
+    assert!(
+        bed.refused("client", SocketAddr::new(v4, 8083))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !bed.refused("client", SocketAddr::new(v6, 8083))
+            .await
+            .unwrap()
+    );
     let dst_metrics = bed.metrics(1).await.unwrap();
     for policy in ["ai/deny-v6-8082", "ai/deny-v4-8083"] {
         assert!(

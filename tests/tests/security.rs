@@ -17,6 +17,10 @@
 //!   a client that ignores SETTINGS and opens 1,000 streams on one
 //!   connection gets 100 and `REFUSED_STREAM` for the rest.
 //!
+//! * `a_departed_identity_leaves_no_tls_state_on_its_node`: once an
+//!   identity's last pod leaves, its node's ztunnel keeps no certificate,
+//!   TLS config (private key) or pooled connection of it.
+//!
 //! Where else: the dual-stack mTLS, policy and source-address parity is
 //! `dual_stack.rs`; the HBONE server and admin-server bounds at unit level
 //! are in `ztunnel/src/hbone/server_limits_tests.rs` and
@@ -423,5 +427,48 @@ async fn hbone_port_bounds_oversized_headers_and_stream_floods() {
     let other = hbone(&bed, hbone_addr, &id("server")).await;
     assert_eq!(connect_status(&other, target).await, StatusCode::OK);
     drop(raw);
+    bed.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_departed_identity_leaves_no_tls_state_on_its_node() {
+    if !netbed::can_run("a_departed_identity_leaves_no_tls_state_on_its_node") {
+        return;
+    }
+    let pods = [
+        PodSpec::mesh("client", "ai", 0, "client"),
+        PodSpec::mesh("leaver", "ai", 0, "leaver"),
+        PodSpec::mesh("server", "ai", 1, "server"),
+    ];
+    let mut bed = MeshBed::new(2, &pods).unwrap();
+    bed.start("").await.unwrap();
+    let _app = bed.echo("server", 8080).await.unwrap();
+    let dst = SocketAddr::new(bed.ip("server").into(), 8080);
+    for from in ["client", "leaver"] {
+        let m = marker(from);
+        assert_eq!(bed.echo_once(from, dst, &m).await.unwrap(), m);
+    }
+    let zt = bed.ztunnel(0);
+    let leaver = id("leaver");
+    assert!(zt.tls_cache_stats().identities.contains(&leaver));
+    assert!(zt.pool().stats().keys.keys().any(|k| k.src == leaver));
+
+    // The pod is deleted: ZDS removes it, then xDS drops its workload.
+    bed.unenroll("leaver").await.unwrap();
+    bed.remove_from_config("leaver").unwrap();
+    let zt = bed.ztunnel(0);
+    ambit_tests::eventually(WAIT, "the identity is forgotten everywhere", || async {
+        let gone = !zt.certificates().identities().contains(&leaver)
+            && !zt.tls_cache_stats().identities.contains(&leaver)
+            && !zt.pool().stats().keys.keys().any(|k| k.src == leaver);
+        gone.then_some(())
+    })
+    .await
+    .unwrap();
+    // The identity that stays keeps its certificate and configs.
+    let stats = zt.tls_cache_stats();
+    assert!(stats.identities.contains(&id("client")), "{stats:?}");
+    let m = marker("client-after");
+    assert_eq!(bed.echo_once("client", dst, &m).await.unwrap(), m);
     bed.shutdown().await;
 }
