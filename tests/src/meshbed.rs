@@ -250,9 +250,9 @@ impl MeshBed {
                 self.ip(&s.name)
             );
             if let Some(ip6) = self.pod(&s.name).ip6 {
-                let _ = write!(
+                let _ = writeln!(
                     y,
-                    "  podIPs: [{{ip: '{}'}}, {{ip: '{ip6}'}}]\n",
+                    "  podIPs: [{{ip: '{}'}}, {{ip: '{ip6}'}}]",
                     self.ip(&s.name)
                 );
             }
