@@ -232,21 +232,40 @@ impl ProxyContext {
         self.certificates.trust_bundle().borrow().clone()
     }
 
-    /// The client TLS config presenting `cert` and pinning `peer` (cached).
+    /// Whether `cert` is the one its identity holds now. A connection that
+    /// fetched it just before a renewal or a forget must not put it back
+    /// into the cache after the eviction ran.
+    fn is_current(&self, cert: &Arc<WorkloadCertificate>) -> bool {
+        self.certificates
+            .current(&cert.identity)
+            .is_some_and(|c| Arc::ptr_eq(&c, cert))
+    }
+
+    /// The client TLS config presenting `cert` and pinning `peer` (cached
+    /// while `cert` is current).
     fn client_config(
         &self,
         cert: &Arc<WorkloadCertificate>,
         peer: &Identity,
     ) -> Result<Arc<ClientConfig>, TlsError> {
-        self.tls.client(cert, &self.bundle(), peer)
+        if self.is_current(cert) {
+            self.tls.client(cert, &self.bundle(), peer)
+        } else {
+            crate::hbone::client_config(cert, &self.bundle(), peer.clone()).map(Arc::new)
+        }
     }
 
-    /// The HBONE server config presenting `cert` (cached).
+    /// The HBONE server config presenting `cert` (cached while `cert` is
+    /// current).
     fn server_config(
         &self,
         cert: &Arc<WorkloadCertificate>,
     ) -> Result<Arc<ServerConfig>, TlsError> {
-        self.tls.server(cert, &self.bundle())
+        if self.is_current(cert) {
+            self.tls.server(cert, &self.bundle())
+        } else {
+            crate::hbone::server_config(cert, &self.bundle()).map(Arc::new)
+        }
     }
 
     async fn certificate(&self, id: &Identity) -> Result<Arc<WorkloadCertificate>, ProxyError> {
