@@ -4,6 +4,7 @@
 
 pub mod enrollbed;
 pub mod envoy;
+pub mod h2raw;
 pub mod meshbed;
 pub mod netbed;
 
