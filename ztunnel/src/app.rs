@@ -20,7 +20,7 @@ use crate::drain::{self, DRAIN_DEADLINE, DrainTrigger, DrainWatcher};
 use crate::hbone::HbonePool;
 use crate::identity::IdentityError;
 use crate::identity::{CertificateManager, Identity};
-use crate::inpod::{InpodConfig, InpodManager, PodSet};
+use crate::inpod::{InpodConfig, InpodManager, PodSet, UnservedSet};
 use crate::metrics::Metrics;
 use crate::proxy::{ProxyConfig, ProxyContext, workload_identity};
 use crate::rbac::PolicyCache;
@@ -64,6 +64,7 @@ pub struct Ztunnel {
     certificates: CertificateManager,
     pool: HbonePool,
     pods: watch::Receiver<PodSet>,
+    unserved: watch::Receiver<UnservedSet>,
     drain: DrainTrigger,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -104,22 +105,19 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
 
     let (drain, watcher) = drain::channel();
     let (quit_tx, quit_rx) = watch::channel(false);
-    let ctx = Arc::new(AdminContext {
-        state: reader.clone(),
-        metrics: metrics.clone(),
-        ready: ready_rx.clone(),
-        log: options.log_control,
-        quit: quit_tx,
-        certificates: Some(certificates.clone()),
-    });
     let certificates_handle = certificates.clone();
-    let pool = HbonePool::default();
+    let pool = HbonePool::new(crate::hbone::PoolConfig {
+        timeouts: config.hbone_timeouts(),
+        ..Default::default()
+    });
     let policies = Arc::new(PolicyCache::new());
 
     let span = info_span!("ztunnel", node = %config.node_name);
     let mut tasks = Vec::new();
     let (_, no_pods) = watch::channel(PodSet::new());
     let mut pods = no_pods;
+    let (_, none_unserved) = watch::channel(UnservedSet::new());
+    let mut unserved = none_unserved;
     if let Some(path) = config.zds_socket() {
         let ctx = Arc::new(ProxyContext::new(
             config.node_name.clone(),
@@ -138,6 +136,7 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
         let ctx_for_policies = ctx.clone();
         let inpod = InpodManager::spawn(InpodConfig::default(), watcher.clone(), Some(ctx));
         pods = inpod.pods.clone();
+        unserved = inpod.unserved.clone();
         let zds = ZdsClient::new(ZdsClientConfig::new(path), inpod.commands);
         tasks.push(tokio::spawn(
             zds.run(watcher.clone().wait()).instrument(span.clone()),
@@ -153,6 +152,15 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
                 .instrument(span.clone()),
         ));
     }
+    let ctx = Arc::new(AdminContext {
+        state: reader.clone(),
+        metrics: metrics.clone(),
+        ready: ready_rx.clone(),
+        unserved: unserved.clone(),
+        log: options.log_control,
+        quit: quit_tx,
+        certificates: Some(certificates.clone()),
+    });
     tasks.extend([
         tokio::spawn(xds_client.run(watcher.clone()).instrument(span.clone())),
         tokio::spawn(
@@ -199,6 +207,7 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
         certificates: certificates_handle,
         pool,
         pods,
+        unserved,
         drain,
         tasks,
     })
@@ -265,6 +274,12 @@ impl Ztunnel {
     /// in-pod capture is off).
     pub fn pods(&self) -> watch::Receiver<PodSet> {
         self.pods.clone()
+    }
+
+    /// Pods the node agent handed over that this ztunnel could not serve
+    /// (readiness is 503 while there are any).
+    pub fn unserved(&self) -> watch::Receiver<UnservedSet> {
+        self.unserved.clone()
     }
 
     /// The outbound HBONE connection pool.

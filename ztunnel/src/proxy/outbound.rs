@@ -141,8 +141,20 @@ async fn direct(
     downstream: TcpStream,
     addr: SocketAddr,
 ) -> Result<(u64, u64), ProxyError> {
-    let upstream = pod.connect(ctx, addr, None).await?;
+    let upstream = match pod.connect(ctx, addr, None).await {
+        Ok(upstream) => upstream,
+        Err(e) => return Err(reset(downstream, e)),
+    };
     copy_until_drained(pod, downstream, upstream, &ctx.cfg.copy, None).await
+}
+
+/// Closes the app's connection with a reset, so it learns at once that
+/// its destination could not be reached (as a direct connect would have
+/// told it), and passes the error on for the access log and metrics.
+fn reset(downstream: TcpStream, e: ProxyError) -> ProxyError {
+    let _ = socket2::SockRef::from(&downstream).set_linger(Some(std::time::Duration::ZERO));
+    drop(downstream);
+    e
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -157,7 +169,10 @@ async fn hbone(
     headers: HeaderMap,
 ) -> Result<(u64, u64), ProxyError> {
     let dst_id = workload_identity(dst_w);
-    let cert = ctx.certificate(src_id).await?;
+    let cert = match ctx.certificate(src_id).await {
+        Ok(cert) => cert,
+        Err(e) => return Err(reset(downstream, e)),
+    };
     let key = PoolKey {
         src: src_id.clone(),
         dst: dst_id.clone(),
@@ -179,8 +194,11 @@ async fn hbone(
             target,
             headers,
         )
-        .await
-        .map_err(|source| ProxyError::Hbone { target, source })?;
+        .await;
+    let stream = match stream {
+        Ok(stream) => stream,
+        Err(source) => return Err(reset(downstream, ProxyError::Hbone { target, source })),
+    };
     copy_until_drained(pod, downstream, stream, &ctx.cfg.copy, None).await
 }
 
