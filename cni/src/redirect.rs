@@ -81,7 +81,9 @@ static OPERATION_TIMEOUT_MS: AtomicU64 = AtomicU64::new(4_000);
 /// Sets the bound on one operation for the whole process (the node agent's
 /// `--command-timeout-ms`).
 pub fn set_operation_timeout(timeout: Duration) {
-    let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX).max(1);
+    let ms = u64::try_from(timeout.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1);
     OPERATION_TIMEOUT_MS.store(ms, Ordering::Relaxed);
 }
 

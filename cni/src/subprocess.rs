@@ -107,7 +107,11 @@ pub fn run(
         let now = Instant::now();
         if now >= deadline {
             kill(&mut child);
-            tracing::warn!(command, ?timeout, "child timed out; killed its process group");
+            tracing::warn!(
+                command,
+                ?timeout,
+                "child timed out; killed its process group"
+            );
             return Err(SubprocessError::TimedOut {
                 command: command.to_string(),
                 timeout,
@@ -165,7 +169,13 @@ mod tests {
 
     #[test]
     fn output_and_status_come_back() {
-        let out = run(&mut sh("cat; echo err >&2; exit 3"), "sh", Some(b"hello"), Duration::from_secs(5)).unwrap();
+        let out = run(
+            &mut sh("cat; echo err >&2; exit 3"),
+            "sh",
+            Some(b"hello"),
+            Duration::from_secs(5),
+        )
+        .unwrap();
         assert_eq!(out.stdout, b"hello");
         assert_eq!(out.stderr, b"err\n");
         assert_eq!(out.status.code(), Some(3));
@@ -178,12 +188,22 @@ mod tests {
         // The shell starts a grandchild that would hold the pipes open.
         let script = format!("sleep 600 & echo $! > {}; wait", pidfile.display());
         let started = Instant::now();
-        let err = run(&mut sh(&script), "sh -c sleep", None, Duration::from_millis(300)).unwrap_err();
+        let err = run(
+            &mut sh(&script),
+            "sh -c sleep",
+            None,
+            Duration::from_millis(300),
+        )
+        .unwrap_err();
         let took = started.elapsed();
         assert!(matches!(err, SubprocessError::TimedOut { .. }), "{err}");
         assert!(err.to_string().contains("300ms"), "{err}");
         assert!(took < Duration::from_secs(2), "took {took:?}");
-        let pid: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
+        let pid: i32 = std::fs::read_to_string(&pidfile)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
         // Killed, and reaped by init soon: /proc/PID goes or turns zombie.
         let gone = (0..200).any(|_| {
             let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -215,7 +235,13 @@ mod tests {
 
     #[test]
     fn a_missing_program_is_a_spawn_error() {
-        let err = run(&mut Command::new("/nonexistent/iptables-restore"), "iptables-restore", None, Duration::from_secs(1)).unwrap_err();
+        let err = run(
+            &mut Command::new("/nonexistent/iptables-restore"),
+            "iptables-restore",
+            None,
+            Duration::from_secs(1),
+        )
+        .unwrap_err();
         assert!(matches!(err, SubprocessError::Spawn { .. }), "{err}");
     }
 }

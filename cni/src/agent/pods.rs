@@ -243,7 +243,14 @@ impl AgentTask {
     /// redirection is removed again: a pod must not be captured with no
     /// ztunnel listening.
     async fn enroll(&mut self, rec: &PodRecord) -> Result<(), String> {
-        install_redirect(&rec.netns, self.ports).await?;
+        if let Err(e) = install_redirect(&rec.netns, self.ports).await {
+            // A failed install (e.g. a child timed out) may have left part
+            // of it (the ip rule); take back what is there.
+            if let Err(undo) = remove_redirect(&rec.netns).await {
+                tracing::debug!(uid = %rec.uid(), error = %undo, "cleaning up a failed install");
+            }
+            return Err(e);
+        }
         let handed = match self.ztunnel() {
             Ok(z) => z.add(&rec.uid(), self.info(rec), &rec.netns).await,
             Err(e) => Err(e),
@@ -343,7 +350,9 @@ impl AgentTask {
                         true,
                     ),
                     Some(rec) if rec.enrolled && !rec.served => Reply::error(
-                        format!("pod {uid}: redirected but ztunnel does not serve it yet (retrying)"),
+                        format!(
+                            "pod {uid}: redirected but ztunnel does not serve it yet (retrying)"
+                        ),
                         true,
                     ),
                     Some(rec) if rec.enrolled => match redirect_installed(&rec.netns).await {
