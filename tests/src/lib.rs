@@ -5,6 +5,7 @@
 pub mod enrollbed;
 pub mod meshbed;
 pub mod netbed;
+pub mod traffic;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

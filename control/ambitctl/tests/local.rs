@@ -437,7 +437,11 @@ fn up_exec_status_down_end_to_end() {
             .any(|s| s.contains("in netns") && s.contains("-mesh-client")),
         "{report:?}"
     );
-    assert_eq!(report.stopped.len(), 8, "6 of the cluster, sh and sleep: {report:?}");
+    assert_eq!(
+        report.stopped.len(),
+        8,
+        "6 of the cluster, sh and sleep: {report:?}"
+    );
     assert_eq!(
         report.netns_removed.len(),
         5,
