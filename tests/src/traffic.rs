@@ -153,6 +153,29 @@ impl Traffic {
         (lock(&self.long).clone(), lock(&self.fresh).clone())
     }
 
+    /// Waits (bounded by `limit`) until, from now on, every long-lived
+    /// connection made `rounds` more round trips and `rounds` more fresh
+    /// connections went through: the traffic demonstrably flows after a
+    /// fault. Returns how long that took.
+    pub async fn flows_on(&self, rounds: u64, limit: Duration) -> Result<Duration> {
+        let started = tokio::time::Instant::now();
+        let (l0, f0) = self.tally();
+        let long = (self.tasks.len() as u64).saturating_sub(1);
+        loop {
+            let (l, f) = self.tally();
+            if l.failed + f.failed > l0.failed + f0.failed {
+                bail!("traffic failed meanwhile: {:?} {:?}", l.errors, f.errors);
+            }
+            if l.ok >= l0.ok + rounds * long && f.ok >= f0.ok + rounds {
+                return Ok(started.elapsed());
+            }
+            if started.elapsed() > limit {
+                bail!("traffic did not flow on within {limit:?}: long {l:?}, fresh {f:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Stops it and returns (long-lived, fresh).
     pub async fn finish(self) -> (Tally, Tally) {
         let _ = self.stop.send(true);
