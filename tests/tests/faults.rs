@@ -246,7 +246,7 @@ async fn control_plane_down_for_60s_loses_nothing_and_ztunnels_resync_fast() {
     assert_nothing_lost(
         "control plane outage",
         &(long, fresh),
-        (OUTAGE.as_secs() * 2) as u64,
+        OUTAGE.as_secs() * 2,
     );
 }
 
