@@ -206,6 +206,20 @@ impl EnrollBed {
         }
     }
 
+    /// Stops the ztunnel of `node` (its pods keep their redirection).
+    pub async fn stop_ztunnel(&mut self, node: usize) {
+        if let Some(z) = self.nodes[node].ztunnel.take() {
+            z.shutdown().await;
+        }
+    }
+
+    /// Starts the ztunnel of `node` after [`EnrollBed::stop_ztunnel`].
+    pub async fn start_ztunnel_again(&mut self, node: usize) -> Result<()> {
+        let z = self.start_ztunnel(node).await?;
+        self.nodes[node].ztunnel = Some(z);
+        Ok(())
+    }
+
     /// Stops and starts the node agent of `node` (same sockets and state).
     pub async fn restart_agent(&mut self, node: usize) -> Result<()> {
         if let Some(a) = self.nodes[node].agent.take() {

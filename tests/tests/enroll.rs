@@ -351,3 +351,83 @@ async fn replacing_ztunnel_with_connections_in_time_wait_leaves_no_pod_black_hol
     );
     bed.shutdown().await;
 }
+
+/// Issue 14: when the ztunnel a node agent hands pods to cannot serve one
+/// (its port is held by something else), the pod must not sit redirected
+/// to nothing unnoticed: ztunnel's readiness and the agent's pod table say
+/// "enrolled but not served", the agent keeps retrying the handover, and
+/// the pod is served as soon as the port is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_ztunnel_cannot_serve_is_reported_and_retried_until_served() {
+    if !can_run("a_pod_ztunnel_cannot_serve_is_reported_and_retried_until_served") {
+        return;
+    }
+    let mut bed = EnrollBed::start(1, &[("ai", true)]).await.unwrap();
+    let client = bed.add_pod(0, "client", "ai", "client").await.unwrap();
+    let server = bed.add_pod(0, "server", "ai", "server").await.unwrap();
+    bed.wait_workload(0, server.net.ip).await.unwrap();
+    let _echo = netbed::echo_server(&server.net, 8080).await.unwrap();
+
+    // While ztunnel is down, something that is not a ztunnel (no
+    // SO_REUSEPORT) takes the client's :15001.
+    bed.stop_ztunnel(0).await;
+    let squatter = client
+        .net
+        .open()
+        .unwrap()
+        .run_in(|| std::net::TcpListener::bind("0.0.0.0:15001"))
+        .unwrap();
+    bed.start_ztunnel_again(0).await.unwrap();
+
+    let readiness = bed.ztunnel(0).readiness_addr();
+    eventually("readiness to name the unserved pod", || async {
+        let (status, body) = ambit_tests::http(readiness, "GET", "/healthz/ready")
+            .await
+            .unwrap_or((0, String::new()));
+        status == 503 && body.contains("ai/client") && body.contains("not served")
+    })
+    .await;
+    eventually("the agent to mark the pod not served", || async {
+        bed.agent(0)
+            .pods()
+            .await
+            .iter()
+            .any(|r| r.pod.name == "client" && r.enrolled && !r.served)
+    })
+    .await;
+    assert!(
+        in_ztunnel(&bed, 0, "server").await,
+        "the other pod is served"
+    );
+    assert!(
+        redirect::is_installed(&client.net.path()).unwrap(),
+        "the redirection stays (another ztunnel may serve it; removing it would unprotect the pod)"
+    );
+
+    // The port comes free: the agent's retry hands the pod over.
+    drop(squatter);
+    let freed = Instant::now();
+    eventually("the retried handover", || async {
+        in_ztunnel(&bed, 0, "client").await
+    })
+    .await;
+    println!(
+        "unserved pod served {:?} after its port came free",
+        freed.elapsed()
+    );
+    eventually("the agent to mark it served", || async {
+        bed.agent(0)
+            .pods()
+            .await
+            .iter()
+            .all(|r| r.enrolled && r.served)
+    })
+    .await;
+    eventually("readiness to turn green", || async {
+        ambit_tests::get(readiness, "/healthz/ready").await.is_ok()
+    })
+    .await;
+    let msg = b"served-again".to_vec();
+    assert_eq!(echo(&bed, "client", server.net.addr(8080), &msg).await, msg);
+    bed.shutdown().await;
+}

@@ -243,11 +243,7 @@ async fn control_plane_down_for_60s_loses_nothing_and_ztunnels_resync_fast() {
     );
     traffic.flows_on(5, WAIT).await.unwrap();
     let (long, fresh) = traffic.finish().await;
-    assert_nothing_lost(
-        "control plane outage",
-        &(long, fresh),
-        OUTAGE.as_secs() * 2,
-    );
+    assert_nothing_lost("control plane outage", &(long, fresh), OUTAGE.as_secs() * 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
