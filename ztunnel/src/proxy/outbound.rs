@@ -98,6 +98,7 @@ async fn handle(
     let result = ConnectionResult::new(open, &ctx.metrics);
     let span = result.span().clone();
     async move {
+        let mut downstream = downstream;
         let outcome = match resolved {
             Resolved::NoEndpoint { service, port } => Err(ProxyError::NoHealthyEndpoint {
                 service: service.hostname.clone(),
@@ -107,18 +108,35 @@ async fn handle(
                 if is_loop(addr, listener, &ctx) {
                     Err(ProxyError::Loop(addr))
                 } else {
-                    direct(&ctx, &pod, downstream, addr).await
+                    direct(&ctx, &pod, &mut downstream, addr).await
                 }
             }
             Resolved::Hbone { addr, workload, .. } => {
                 let headers = headers(src.ip(), src_w.as_deref());
                 hbone(
-                    &ctx, &pod, downstream, src, &src_id, &workload, addr, headers,
+                    &ctx,
+                    &pod,
+                    &mut downstream,
+                    src,
+                    &src_id,
+                    &workload,
+                    addr,
+                    headers,
                 )
                 .await
             }
         };
+        // A failure before the first byte closes the app's connection with
+        // a reset, so it learns at once that its destination could not be
+        // reached (as a direct connect would have told it) — after the
+        // outcome is recorded (access log, metrics).
+        let refused =
+            matches!(&outcome, Err(e) if !matches!(e, ProxyError::Copy(_) | ProxyError::Drained));
+        if refused {
+            let _ = socket2::SockRef::from(&downstream).set_linger(Some(std::time::Duration::ZERO));
+        }
         finish(result, outcome);
+        drop(downstream);
     }
     .instrument(span)
     .await;
@@ -138,30 +156,18 @@ fn is_loop(addr: SocketAddr, listener: Option<SocketAddr>, ctx: &ProxyContext) -
 async fn direct(
     ctx: &ProxyContext,
     pod: &PodContext,
-    downstream: TcpStream,
+    downstream: &mut TcpStream,
     addr: SocketAddr,
 ) -> Result<(u64, u64), ProxyError> {
-    let upstream = match pod.connect(ctx, addr, None).await {
-        Ok(upstream) => upstream,
-        Err(e) => return Err(reset(downstream, e)),
-    };
+    let upstream = pod.connect(ctx, addr, None).await?;
     copy_until_drained(pod, downstream, upstream, &ctx.cfg.copy, None).await
-}
-
-/// Closes the app's connection with a reset, so it learns at once that
-/// its destination could not be reached (as a direct connect would have
-/// told it), and passes the error on for the access log and metrics.
-fn reset(downstream: TcpStream, e: ProxyError) -> ProxyError {
-    let _ = socket2::SockRef::from(&downstream).set_linger(Some(std::time::Duration::ZERO));
-    drop(downstream);
-    e
 }
 
 #[allow(clippy::too_many_arguments)]
 async fn hbone(
     ctx: &ProxyContext,
     pod: &PodContext,
-    downstream: TcpStream,
+    downstream: &mut TcpStream,
     src: SocketAddr,
     src_id: &crate::identity::Identity,
     dst_w: &Workload,
@@ -169,10 +175,7 @@ async fn hbone(
     headers: HeaderMap,
 ) -> Result<(u64, u64), ProxyError> {
     let dst_id = workload_identity(dst_w);
-    let cert = match ctx.certificate(src_id).await {
-        Ok(cert) => cert,
-        Err(e) => return Err(reset(downstream, e)),
-    };
+    let cert = ctx.certificate(src_id).await?;
     let key = PoolKey {
         src: src_id.clone(),
         dst: dst_id.clone(),
@@ -194,11 +197,8 @@ async fn hbone(
             target,
             headers,
         )
-        .await;
-    let stream = match stream {
-        Ok(stream) => stream,
-        Err(source) => return Err(reset(downstream, ProxyError::Hbone { target, source })),
-    };
+        .await
+        .map_err(|source| ProxyError::Hbone { target, source })?;
     copy_until_drained(pod, downstream, stream, &ctx.cfg.copy, None).await
 }
 
