@@ -13,3 +13,4 @@ pub mod agent;
 pub mod plugin;
 pub mod protocol;
 pub mod redirect;
+pub mod subprocess;

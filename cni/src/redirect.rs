@@ -6,7 +6,12 @@
 //! run as children of a short-lived thread that has entered the pod's
 //! namespace ([`PodNetns::run_in`]), so any namespace path works
 //! (`/var/run/netns/X`, `/proc/PID/ns/net`) and the agent's own threads
-//! never move.
+//! never move. Every public function blocks its thread (call it from
+//! `spawn_blocking`) and finishes within the operation timeout
+//! ([`set_operation_timeout`]): children run under
+//! [`crate::subprocess::run`], killed at the deadline, and the `-restore`
+//! tools wait at most [`XTABLES_WAIT_SECS`] for the xtables lock (`-w`;
+//! `-save` takes no lock and has no `-w`).
 //!
 //! ```text
 //! nat    PREROUTING -> AMBIT_PRERT       probe source, :15008, lo: RETURN; TCP -> REDIRECT :15006
@@ -38,9 +43,10 @@
 
 mod family;
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use ambit_inpod::PodNetns;
 
@@ -57,6 +63,12 @@ pub enum RedirectError {
         netns: String,
         #[source]
         source: std::io::Error,
+    },
+    #[error("in {netns}: {source}")]
+    Child {
+        netns: String,
+        #[source]
+        source: crate::subprocess::SubprocessError,
     },
     #[error("`{command}` failed in {netns} ({status}): {stderr}")]
     Failed {
@@ -84,10 +96,33 @@ pub enum RedirectError {
 
 type Result<T> = std::result::Result<T, RedirectError>;
 
-/// A pod namespace the commands run in.
+/// A pod namespace the commands run in, and the deadline of the operation
+/// (install, remove, check) they belong to.
 struct Ns {
     netns: PodNetns,
     shown: String,
+    deadline: Instant,
+}
+
+/// Default bound on one operation (every child it runs together).
+pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(4);
+/// Seconds the `-restore` tools wait for the xtables lock (`-w`).
+pub const XTABLES_WAIT_SECS: u64 = 2;
+
+static OPERATION_TIMEOUT_MS: AtomicU64 = AtomicU64::new(4_000);
+
+/// Sets the bound on one operation for the whole process (the node agent's
+/// `--command-timeout-ms`).
+pub fn set_operation_timeout(timeout: Duration) {
+    let ms = u64::try_from(timeout.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1);
+    OPERATION_TIMEOUT_MS.store(ms, Ordering::Relaxed);
+}
+
+/// The bound on one operation in force.
+pub fn operation_timeout() -> Duration {
+    Duration::from_millis(OPERATION_TIMEOUT_MS.load(Ordering::Relaxed))
 }
 
 impl Ns {
@@ -99,6 +134,7 @@ impl Ns {
         Ok(Self {
             netns,
             shown: path.display().to_string(),
+            deadline: Instant::now() + operation_timeout(),
         })
     }
 }
@@ -299,8 +335,9 @@ fn chain_exists(saved: &str, table: &str, chain: &str) -> bool {
     table_lines(saved, table).any(|l| l.starts_with(&decl))
 }
 
-/// Runs `program args` inside the namespace, feeding `stdin`; returns
-/// stdout, or an error naming the command with its exit status and stderr.
+/// Runs `program args` inside the namespace, feeding `stdin`, killed at the
+/// operation's deadline; returns stdout, or an error naming the command
+/// with its exit status and stderr (or the timeout).
 fn run(netns: &Ns, program: &str, args: &[&str], stdin: Option<&str>) -> Result<String> {
     let command = format!("{program} {}", args.join(" "));
     let spawn_err = |source| RedirectError::Spawn {
@@ -308,26 +345,30 @@ fn run(netns: &Ns, program: &str, args: &[&str], stdin: Option<&str>) -> Result<
         netns: netns.shown.clone(),
         source,
     };
+    let child_err = |source| RedirectError::Child {
+        netns: netns.shown.clone(),
+        source,
+    };
+    let left = netns.deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(child_err(crate::subprocess::SubprocessError::TimedOut {
+            command,
+            timeout: operation_timeout(),
+        }));
+    }
     // A child inherits the namespace of the thread that forks it.
     let out = netns
         .netns
         .run_in(|| {
-            let mut child = Command::new(program)
-                .args(args)
-                .stdin(if stdin.is_some() {
-                    Stdio::piped()
-                } else {
-                    Stdio::null()
-                })
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()?;
-            if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-                pipe.write_all(input.as_bytes())?;
-            }
-            child.wait_with_output()
+            Ok(crate::subprocess::run(
+                Command::new(program).args(args),
+                &command,
+                stdin.map(str::as_bytes),
+                left,
+            ))
         })
-        .map_err(spawn_err)?;
+        .map_err(spawn_err)?
+        .map_err(child_err)?;
     if !out.status.success() {
         return Err(RedirectError::Failed {
             command,

@@ -171,6 +171,55 @@ impl EnrollBed {
         Ok(())
     }
 
+    /// Replaces the ztunnel of `node` as a rolling update does: starts a new
+    /// one on the same ZDS socket while the old one still runs (and still
+    /// holds the pods' ports, with its connections in TIME_WAIT), waits
+    /// until the new one serves every pod the old one had, then stops the
+    /// old one. Returns how long the new one took to serve them all.
+    pub async fn replace_ztunnel(&mut self, node: usize) -> Result<std::time::Duration> {
+        let old = self.nodes[node].ztunnel.take().context("no ztunnel")?;
+        let want: Vec<String> = old.pods().borrow().keys().cloned().collect();
+        let started = std::time::Instant::now();
+        let new = match self.start_ztunnel(node).await {
+            Ok(z) => z,
+            Err(e) => {
+                old.shutdown().await;
+                return Err(e);
+            }
+        };
+        let mut pods = new.pods();
+        let served = tokio::time::timeout(
+            WAIT,
+            pods.wait_for(|p| want.iter().all(|uid| p.contains_key(uid))),
+        )
+        .await;
+        let took = started.elapsed();
+        old.shutdown().await;
+        let unserved = new.unserved().borrow().clone();
+        self.nodes[node].ztunnel = Some(new);
+        match served {
+            Ok(Ok(_)) => Ok(took),
+            _ => bail!(
+                "the new ztunnel on node {node} did not serve the pods {want:?} within {WAIT:?}; \
+                 it reports unserved: {unserved:?}"
+            ),
+        }
+    }
+
+    /// Stops the ztunnel of `node` (its pods keep their redirection).
+    pub async fn stop_ztunnel(&mut self, node: usize) {
+        if let Some(z) = self.nodes[node].ztunnel.take() {
+            z.shutdown().await;
+        }
+    }
+
+    /// Starts the ztunnel of `node` after [`EnrollBed::stop_ztunnel`].
+    pub async fn start_ztunnel_again(&mut self, node: usize) -> Result<()> {
+        let z = self.start_ztunnel(node).await?;
+        self.nodes[node].ztunnel = Some(z);
+        Ok(())
+    }
+
     /// Stops and starts the node agent of `node` (same sockets and state).
     pub async fn restart_agent(&mut self, node: usize) -> Result<()> {
         if let Some(a) = self.nodes[node].agent.take() {

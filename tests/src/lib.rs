@@ -7,6 +7,7 @@ pub mod envoy;
 pub mod h2raw;
 pub mod meshbed;
 pub mod netbed;
+pub mod traffic;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

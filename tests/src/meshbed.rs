@@ -84,6 +84,15 @@ pub struct MeshBed {
     cp: Option<ControlPlane>,
     ztunnels: Vec<Option<Ztunnel>>,
     agents: Vec<Arc<Mutex<ZdsAgentConn>>>,
+    /// Applied to the control plane's config before it starts (e.g. a
+    /// short certificate TTL).
+    pub tune_control: fn(&mut ControlConfig),
+    /// Applied to each ztunnel's config before it starts (e.g. short HBONE
+    /// timeouts).
+    pub tune_ztunnel: fn(&mut ambit_ztunnel::Config),
+    /// (xDS plaintext, xDS TLS, monitoring) of the stopped control plane,
+    /// so [`MeshBed::restart_control_plane`] binds them again.
+    stopped_cp: Option<(SocketAddr, SocketAddr, SocketAddr)>,
 }
 
 /// The name of node `i` in the beds' YAML and tokens.
@@ -98,6 +107,16 @@ pub async fn start_control_plane(
     data_dir: &Path,
     nodes: usize,
 ) -> Result<ControlPlane> {
+    start_control_plane_with(config_dir, data_dir, nodes, |_| {}).await
+}
+
+/// [`start_control_plane`] with `tune` applied to its config first.
+pub async fn start_control_plane_with(
+    config_dir: &Path,
+    data_dir: &Path,
+    nodes: usize,
+    tune: impl FnOnce(&mut ControlConfig),
+) -> Result<ControlPlane> {
     let mut tokens = String::new();
     for i in 0..nodes {
         let _ = writeln!(tokens, "token-{i} {}", node_name(i));
@@ -106,6 +125,7 @@ pub async fn start_control_plane(
     std::fs::write(&tokens_file, tokens)?;
     let mut cfg = ControlConfig::for_tests(config_dir.to_path_buf(), data_dir.join("cp"));
     cfg.node_tokens_file = Some(tokens_file);
+    tune(&mut cfg);
     ControlPlane::start(cfg)
         .await
         .context("starting the control plane")
@@ -120,6 +140,17 @@ pub async fn start_ztunnel(
     node: usize,
     zds_path: PathBuf,
 ) -> Result<Ztunnel> {
+    start_ztunnel_with(cp, data_dir, node, zds_path, |_| {}).await
+}
+
+/// [`start_ztunnel`] with `tune` applied to its config first.
+pub async fn start_ztunnel_with(
+    cp: &ControlPlane,
+    data_dir: &Path,
+    node: usize,
+    zds_path: PathBuf,
+    tune: impl FnOnce(&mut ambit_ztunnel::Config),
+) -> Result<Ztunnel> {
     let token = data_dir.join(format!("token-{node}"));
     std::fs::write(&token, format!("token-{node}\n"))?;
     let mut z =
@@ -128,6 +159,7 @@ pub async fn start_ztunnel(
     z.token_file = Some(token);
     z.root_cert = Some(data_dir.join("cp/ca/root-cert.pem"));
     z.zds_path = zds_path;
+    tune(&mut z);
     let zt = ambit_ztunnel::start(z).await?;
     tokio::time::timeout(WAIT, zt.wait_ready())
         .await
@@ -182,6 +214,9 @@ impl MeshBed {
             cp: None,
             ztunnels: Vec::new(),
             agents: Vec::new(),
+            tune_control: |_| {},
+            tune_ztunnel: |_| {},
+            stopped_cp: None,
         })
     }
 
@@ -263,6 +298,11 @@ impl MeshBed {
 
     /// Writes `extra.yaml` in the served config dir (the control plane
     /// picks changes up).
+    /// The directory the control plane serves.
+    pub fn config_dir(&self) -> &Path {
+        self.config.path()
+    }
+
     pub fn write_config(&self, name: &str, yaml: &str) -> Result<()> {
         crate::write_atomic(&self.config.path().join(name), yaml)
     }
@@ -274,11 +314,17 @@ impl MeshBed {
         std::fs::write(self.config.path().join("pods.yaml"), self.base_yaml())?;
         std::fs::write(self.config.path().join("extra.yaml"), extra_yaml)?;
         let nodes = self.cluster.nodes();
-        let cp = start_control_plane(self.config.path(), self.data.path(), nodes).await?;
+        let cp = start_control_plane_with(
+            self.config.path(),
+            self.data.path(),
+            nodes,
+            self.tune_control,
+        )
+        .await?;
         for i in 0..nodes {
             let sock = self.data.path().join(format!("zds-{i}.sock"));
             let listener = ZdsListener::bind(&sock)?;
-            let zt = start_ztunnel(&cp, self.data.path(), i, sock).await?;
+            let zt = start_ztunnel_with(&cp, self.data.path(), i, sock, self.tune_ztunnel).await?;
             let conn = tokio::task::spawn_blocking(move || listener.accept(WAIT))
                 .await?
                 .context("ztunnel connecting to the node agent")?;
@@ -367,6 +413,39 @@ impl MeshBed {
     /// The control plane.
     pub fn control_plane(&self) -> Option<&ControlPlane> {
         self.cp.as_ref()
+    }
+
+    /// Stops the control plane (xDS and CA unreachable); the ztunnels keep
+    /// running on what they have.
+    pub async fn stop_control_plane(&mut self) -> Result<()> {
+        let cp = self.cp.take().context("the control plane is not running")?;
+        self.stopped_cp = Some((cp.xds_addr(), cp.xds_tls_addr(), cp.monitoring_addr()));
+        cp.shutdown().await;
+        Ok(())
+    }
+
+    /// Starts the control plane again on the addresses it had, with the
+    /// same config directory and CA.
+    pub async fn restart_control_plane(&mut self) -> Result<()> {
+        let (plain, tls, mon) = self
+            .stopped_cp
+            .take()
+            .context("the control plane was not stopped")?;
+        let tune = self.tune_control;
+        let cp = start_control_plane_with(
+            self.config.path(),
+            self.data.path(),
+            self.cluster.nodes(),
+            move |cfg| {
+                tune(cfg);
+                cfg.xds_plaintext_addr = plain;
+                cfg.xds_tls_addr = tls;
+                cfg.monitoring_addr = mon;
+            },
+        )
+        .await?;
+        self.cp = Some(cp);
+        Ok(())
     }
 
     /// `/metrics` of the ztunnel of `node`.

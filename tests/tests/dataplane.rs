@@ -15,8 +15,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ambit_inpod::SocketOptions;
 use ambit_tests::meshbed::{MeshBed, PodSpec, WAIT, metric_sum};
 use ambit_tests::netbed::{self, Capture};
+use ambit_ztunnel::hbone::{HboneClient, client_config};
+use ambit_ztunnel::identity::Identity;
+use hyper::http::{HeaderMap, StatusCode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::timeout;
 
@@ -205,6 +209,101 @@ async fn app_sees_the_original_source_ip_and_half_close_works() {
     let _w = writer.await.unwrap();
     assert_eq!(got.len(), payload.len());
     assert!(got == payload, "echo after half-close differs");
+    bed.shutdown().await;
+}
+
+/// Issue 14: a CONNECT to a port nobody listens on used to be answered 200
+/// and then reset. Now the destination ztunnel connects first and answers
+/// 503 (Istio's status), the source ztunnel resets the app's connection at
+/// once, and both count a connect failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_to_a_closed_port_is_503_and_the_app_is_reset() {
+    if !netbed::can_run("connect_to_a_closed_port_is_503_and_the_app_is_reset") {
+        return;
+    }
+    let Some(bed) = bed(&basic_pods(), &services()).await else {
+        return;
+    };
+    let _s0 = bed.echo("server-0", 8080).await.unwrap();
+    let closed = SocketAddr::new(bed.ip("server-0").into(), 9999);
+
+    // Through the redirection: the app's connection is reset, promptly.
+    let started = std::time::Instant::now();
+    let mut s = bed.connect("client", closed).await.unwrap();
+    let read = timeout(Duration::from_secs(5), async {
+        let _ = s.write_all(b"ping").await;
+        let mut buf = [0u8; 4];
+        s.read(&mut buf).await
+    })
+    .await
+    .expect("the failure reaches the app within 5 s");
+    let took = started.elapsed();
+    match read {
+        Err(e) => assert_eq!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionReset,
+            "the app sees a reset: {e}"
+        ),
+        Ok(n) => panic!("the app must see a reset, not a tunnel that ends quietly (read {n})"),
+    }
+    println!("closed port: app reset after {took:?}");
+
+    // Straight HBONE: the status is 503, not 200.
+    let client_id = Identity::new("cluster.local", "ai", "client");
+    let server_id = Identity::new("cluster.local", "ai", "server");
+    let cert = timeout(WAIT, bed.ztunnel(0).certificates().fetch(&client_id))
+        .await
+        .unwrap()
+        .unwrap();
+    let bundle = bed
+        .ztunnel(0)
+        .certificates()
+        .trust_bundle()
+        .borrow()
+        .clone();
+    let cfg = Arc::new(client_config(&cert, &bundle, server_id).unwrap());
+    let opts = SocketOptions {
+        mark: Some(ambit_inpod::ZTUNNEL_MARK),
+        ..SocketOptions::default()
+    };
+    let tcp = bed
+        .pod("client")
+        .open()
+        .unwrap()
+        .connect_from(SocketAddr::new(bed.ip("server-0").into(), 15008), &opts)
+        .await
+        .unwrap();
+    let conn = timeout(WAIT, HboneClient::connect(tcp, cfg))
+        .await
+        .unwrap()
+        .unwrap();
+    let err = timeout(WAIT, conn.connect_stream(closed, HeaderMap::new()))
+        .await
+        .unwrap()
+        .expect_err("CONNECT to a closed port must fail");
+    assert_eq!(err.status(), Some(StatusCode::SERVICE_UNAVAILABLE), "{err}");
+    assert!(conn.is_usable(), "a 503 leaves the connection usable");
+    let open = SocketAddr::new(bed.ip("server-0").into(), 8080);
+    let ok = timeout(WAIT, conn.connect_stream(open, HeaderMap::new()))
+        .await
+        .unwrap();
+    assert!(ok.is_ok(), "the same connection still tunnels: {ok:?}");
+
+    let flags = |reporter| [("reporter", reporter), ("response_flags", "CONNECT")];
+    let src = bed.metrics(0).await.unwrap();
+    assert!(
+        metric_sum(&src, "istio_tcp_connections_closed_total", &flags("source")) >= 1.0,
+        "the source ztunnel counts a connect failure:\n{src}"
+    );
+    let dst = bed.metrics(1).await.unwrap();
+    assert!(
+        metric_sum(
+            &dst,
+            "istio_tcp_connections_closed_total",
+            &flags("destination")
+        ) >= 2.0,
+        "the destination ztunnel counts both connect failures:\n{dst}"
+    );
     bed.shutdown().await;
 }
 

@@ -276,3 +276,158 @@ async fn restarts_keep_pods_captured() {
     assert!(in_ztunnel(&bed, 0, "client").await);
     bed.shutdown().await;
 }
+
+/// Issue 14: a ztunnel that takes over a node while the old one still runs
+/// and connections it accepted on a pod's :15001 sit in TIME_WAIT used to
+/// fail to bind and refuse the pod, leaving it redirected to a port with
+/// no listener. Now the new one binds beside the old one (SO_REUSEPORT),
+/// every pod is served within 2 s, readiness is green and traffic flows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replacing_ztunnel_with_connections_in_time_wait_leaves_no_pod_black_holed() {
+    if !can_run("replacing_ztunnel_with_connections_in_time_wait_leaves_no_pod_black_holed") {
+        return;
+    }
+    let mut bed = EnrollBed::start(1, &[("ai", true)]).await.unwrap();
+    let client = bed.add_pod(0, "client", "ai", "client").await.unwrap();
+    let server = bed.add_pod(0, "server", "ai", "server").await.unwrap();
+    bed.wait_workload(0, server.net.ip).await.unwrap();
+    let _echo = netbed::echo_server(&server.net, 8080).await.unwrap();
+
+    // A server that speaks first and closes first: ztunnel's accepted
+    // sockets on the client's :15001 close actively and sit in TIME_WAIT.
+    let bye = netbed::listen(&server.net, 9090).unwrap();
+    let bye_task = tokio::spawn(async move {
+        while let Ok((mut s, _)) = bye.accept().await {
+            let _ = s.write_all(b"bye").await;
+        }
+    });
+    for _ in 0..20 {
+        let mut s = timeout(WAIT, netbed::connect(&client.net, server.net.addr(9090)))
+            .await
+            .unwrap()
+            .unwrap();
+        let mut got = Vec::new();
+        timeout(WAIT, s.read_to_end(&mut got))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(got, b"bye");
+    }
+    let mut time_wait = 0;
+    eventually("TIME_WAIT sockets on the client's :15001", || {
+        let out = netbed::netns_exec(
+            &client.net.netns,
+            &["ss", "-Htan", "state", "time-wait", "( sport = :15001 )"],
+        )
+        .unwrap_or_default();
+        time_wait = out.lines().count();
+        async move { time_wait > 0 }
+    })
+    .await;
+    bye_task.abort();
+
+    let took = bed.replace_ztunnel(0).await.unwrap();
+    println!(
+        "ztunnel replacement: pods served by the new ztunnel after {took:?} ({time_wait} sockets in TIME_WAIT)"
+    );
+    assert!(
+        took < Duration::from_secs(2),
+        "pods served again after {took:?}"
+    );
+    assert!(bed.ztunnel(0).unserved().borrow().is_empty());
+    let ready = ambit_tests::get(bed.ztunnel(0).readiness_addr(), "/healthz/ready").await;
+    assert!(ready.is_ok(), "readiness after the takeover: {ready:?}");
+    let agent = bed.agent(0).pods().await;
+    assert!(
+        agent.iter().all(|r| r.enrolled && r.served),
+        "the agent sees every pod served: {agent:?}"
+    );
+    // The pods' traffic flows through the new ztunnel.
+    let msg = b"after-the-takeover".to_vec();
+    assert_eq!(echo(&bed, "client", server.net.addr(8080), &msg).await, msg);
+    assert!(
+        metric_sum(&bed.metrics(0).await.unwrap(), OPENED, &[]) >= 1.0,
+        "the new ztunnel carried it"
+    );
+    bed.shutdown().await;
+}
+
+/// Issue 14: when the ztunnel a node agent hands pods to cannot serve one
+/// (its port is held by something else), the pod must not sit redirected
+/// to nothing unnoticed: ztunnel's readiness and the agent's pod table say
+/// "enrolled but not served", the agent keeps retrying the handover, and
+/// the pod is served as soon as the port is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_ztunnel_cannot_serve_is_reported_and_retried_until_served() {
+    if !can_run("a_pod_ztunnel_cannot_serve_is_reported_and_retried_until_served") {
+        return;
+    }
+    let mut bed = EnrollBed::start(1, &[("ai", true)]).await.unwrap();
+    let client = bed.add_pod(0, "client", "ai", "client").await.unwrap();
+    let server = bed.add_pod(0, "server", "ai", "server").await.unwrap();
+    bed.wait_workload(0, server.net.ip).await.unwrap();
+    let _echo = netbed::echo_server(&server.net, 8080).await.unwrap();
+
+    // While ztunnel is down, something that is not a ztunnel (no
+    // SO_REUSEPORT) takes the client's :15001.
+    bed.stop_ztunnel(0).await;
+    let squatter = client
+        .net
+        .open()
+        .unwrap()
+        .run_in(|| std::net::TcpListener::bind("0.0.0.0:15001"))
+        .unwrap();
+    bed.start_ztunnel_again(0).await.unwrap();
+
+    let readiness = bed.ztunnel(0).readiness_addr();
+    eventually("readiness to name the unserved pod", || async {
+        let (status, body) = ambit_tests::http(readiness, "GET", "/healthz/ready")
+            .await
+            .unwrap_or((0, String::new()));
+        status == 503 && body.contains("ai/client") && body.contains("not served")
+    })
+    .await;
+    eventually("the agent to mark the pod not served", || async {
+        bed.agent(0)
+            .pods()
+            .await
+            .iter()
+            .any(|r| r.pod.name == "client" && r.enrolled && !r.served)
+    })
+    .await;
+    assert!(
+        in_ztunnel(&bed, 0, "server").await,
+        "the other pod is served"
+    );
+    assert!(
+        redirect::is_installed(&client.net.path()).unwrap(),
+        "the redirection stays (another ztunnel may serve it; removing it would unprotect the pod)"
+    );
+
+    // The port comes free: the agent's retry hands the pod over.
+    drop(squatter);
+    let freed = Instant::now();
+    eventually("the retried handover", || async {
+        in_ztunnel(&bed, 0, "client").await
+    })
+    .await;
+    println!(
+        "unserved pod served {:?} after its port came free",
+        freed.elapsed()
+    );
+    eventually("the agent to mark it served", || async {
+        bed.agent(0)
+            .pods()
+            .await
+            .iter()
+            .all(|r| r.enrolled && r.served)
+    })
+    .await;
+    eventually("readiness to turn green", || async {
+        ambit_tests::get(readiness, "/healthz/ready").await.is_ok()
+    })
+    .await;
+    let msg = b"served-again".to_vec();
+    assert_eq!(echo(&bed, "client", server.net.addr(8080), &msg).await, msg);
+    bed.shutdown().await;
+}

@@ -20,7 +20,7 @@ use crate::drain::{self, DRAIN_DEADLINE, DrainTrigger, DrainWatcher};
 use crate::hbone::HbonePool;
 use crate::identity::IdentityError;
 use crate::identity::{CertificateManager, Identity};
-use crate::inpod::{InpodConfig, InpodManager, PodSet};
+use crate::inpod::{InpodConfig, InpodManager, PodSet, UnservedSet};
 use crate::metrics::Metrics;
 use crate::proxy::{
     ProxyConfig, ProxyContext, TlsCache, TlsCacheStats, tls_cache, workload_identity,
@@ -68,6 +68,7 @@ pub struct Ztunnel {
     pods: watch::Receiver<PodSet>,
     /// The data path's TLS configs (`None` when in-pod capture is off).
     tls: Option<Arc<TlsCache>>,
+    unserved: watch::Receiver<UnservedSet>,
     drain: DrainTrigger,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -108,16 +109,11 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
 
     let (drain, watcher) = drain::channel();
     let (quit_tx, quit_rx) = watch::channel(false);
-    let ctx = Arc::new(AdminContext {
-        state: reader.clone(),
-        metrics: metrics.clone(),
-        ready: ready_rx.clone(),
-        log: options.log_control,
-        quit: quit_tx,
-        certificates: Some(certificates.clone()),
-    });
     let certificates_handle = certificates.clone();
-    let pool = HbonePool::default();
+    let pool = HbonePool::new(crate::hbone::PoolConfig {
+        timeouts: config.hbone_timeouts(),
+        ..Default::default()
+    });
     let policies = Arc::new(PolicyCache::new());
 
     let span = info_span!("ztunnel", node = %config.node_name);
@@ -125,6 +121,8 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
     let (_, no_pods) = watch::channel(PodSet::new());
     let mut pods = no_pods;
     let mut tls = None;
+    let (_, none_unserved) = watch::channel(UnservedSet::new());
+    let mut unserved = none_unserved;
     if let Some(path) = config.zds_socket() {
         let ctx = Arc::new(ProxyContext::new(
             config.node_name.clone(),
@@ -153,6 +151,7 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
         ));
         let inpod = InpodManager::spawn(InpodConfig::default(), watcher.clone(), Some(ctx));
         pods = inpod.pods.clone();
+        unserved = inpod.unserved.clone();
         let zds = ZdsClient::new(ZdsClientConfig::new(path), inpod.commands);
         tasks.push(tokio::spawn(
             zds.run(watcher.clone().wait()).instrument(span.clone()),
@@ -168,6 +167,15 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
                 .instrument(span.clone()),
         ));
     }
+    let ctx = Arc::new(AdminContext {
+        state: reader.clone(),
+        metrics: metrics.clone(),
+        ready: ready_rx.clone(),
+        unserved: unserved.clone(),
+        log: options.log_control,
+        quit: quit_tx,
+        certificates: Some(certificates.clone()),
+    });
     tasks.extend([
         tokio::spawn(xds_client.run(watcher.clone()).instrument(span.clone())),
         tokio::spawn(
@@ -215,6 +223,7 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
         pool,
         pods,
         tls,
+        unserved,
         drain,
         tasks,
     })
@@ -287,6 +296,12 @@ impl Ztunnel {
     /// capture is off): no entry for an identity that left the node.
     pub fn tls_cache_stats(&self) -> TlsCacheStats {
         self.tls.as_ref().map(|t| t.stats()).unwrap_or_default()
+    }
+
+    /// Pods the node agent handed over that this ztunnel could not serve
+    /// (readiness is 503 while there are any).
+    pub fn unserved(&self) -> watch::Receiver<UnservedSet> {
+        self.unserved.clone()
     }
 
     /// The outbound HBONE connection pool.

@@ -88,6 +88,22 @@ pub struct Config {
     /// With `false` the app sees ztunnel's connection from the pod's own IP.
     #[arg(long, env = "INBOUND_TRANSPARENT", default_value_t = true, action = clap::ArgAction::Set)]
     pub inbound_transparent: bool,
+
+    /// Bound, in milliseconds, on the TLS + HTTP/2 handshakes with an HBONE
+    /// peer (a peer that accepts TCP and never answers fails after this).
+    #[arg(long, env = "HBONE_HANDSHAKE_TIMEOUT_MS", default_value_t = 10_000)]
+    pub hbone_handshake_timeout_ms: u64,
+    /// Bound, in milliseconds, on an HBONE peer's answer to a CONNECT and
+    /// on waiting for a free stream slot.
+    #[arg(long, env = "HBONE_CONNECT_TIMEOUT_MS", default_value_t = 10_000)]
+    pub hbone_connect_timeout_ms: u64,
+    /// Milliseconds between HTTP/2 PINGs on pooled HBONE connections.
+    #[arg(long, env = "HBONE_KEEPALIVE_INTERVAL_MS", default_value_t = 10_000)]
+    pub hbone_keepalive_interval_ms: u64,
+    /// Milliseconds a PING may go unanswered before its connection is
+    /// closed and dropped from the pool.
+    #[arg(long, env = "HBONE_KEEPALIVE_TIMEOUT_MS", default_value_t = 20_000)]
+    pub hbone_keepalive_timeout_ms: u64,
 }
 
 impl Config {
@@ -107,6 +123,23 @@ impl Config {
             network: String::new(),
             zds_path: PathBuf::from(ambit_inpod::DEFAULT_ZDS_PATH),
             inbound_transparent: true,
+            hbone_handshake_timeout_ms: 10_000,
+            hbone_connect_timeout_ms: 10_000,
+            hbone_keepalive_interval_ms: 10_000,
+            hbone_keepalive_timeout_ms: 20_000,
+        }
+    }
+
+    /// The HBONE client bounds these flags set.
+    pub fn hbone_timeouts(&self) -> crate::hbone::ClientTimeouts {
+        use std::time::Duration;
+        let ms = Duration::from_millis;
+        crate::hbone::ClientTimeouts {
+            handshake: ms(self.hbone_handshake_timeout_ms.max(1)),
+            connect_response: ms(self.hbone_connect_timeout_ms.max(1)),
+            stream_slot: ms(self.hbone_connect_timeout_ms.max(1)),
+            keepalive_interval: ms(self.hbone_keepalive_interval_ms.max(1)),
+            keepalive_timeout: ms(self.hbone_keepalive_timeout_ms.max(1)),
         }
     }
 

@@ -90,7 +90,7 @@ impl Agent {
             path: cfg.state_dir.clone(),
             source,
         })?;
-        let table = PodTable::load(&cfg.state_dir);
+        let table = PodTable::load_async(&cfg.state_dir).await;
         let (zt_tx, zt_rx) = mpsc::channel(4);
         zds::serve(&cfg.zds_socket, zt_tx)?;
         let listener = bind_unix(&cfg.cni_socket)?;

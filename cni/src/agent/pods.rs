@@ -1,9 +1,22 @@
 //! The agent task and the pod table it owns.
+//!
+//! The redirection runs `ip`/`iptables` children; every call goes through
+//! `spawn_blocking` (the children are bounded by
+//! [`redirect::operation_timeout`]), so a hung child delays this task by at
+//! most that bound and never blocks an async worker.
+//!
+//! A pod the connected ztunnel refuses while the agent sends it its
+//! snapshot (e.g. its ports are still held by the ztunnel it replaces)
+//! keeps its redirection — the other ztunnel may still serve it, and
+//! removing it would leave the pod unprotected — is marked not `served`,
+//! and its handover is retried with backoff ([`HANDOFF_RETRY_MAX`]) until
+//! ztunnel takes it. `pods.json` and `ambitctl local status` show it.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use ambit_proto::workload::zds::WorkloadInfo;
 use serde::{Deserialize, Serialize};
@@ -25,6 +38,51 @@ pub struct PodRecord {
     /// Redirection installed and handed to ztunnel (or waiting for ztunnel
     /// to reconnect).
     pub enrolled: bool,
+    /// `false` while an enrolled pod's redirection is in place but the
+    /// connected ztunnel refused it (no listeners): the agent retries.
+    #[serde(default = "served_default")]
+    pub served: bool,
+}
+
+fn served_default() -> bool {
+    true
+}
+
+/// First delay before handing a refused pod to ztunnel again.
+pub const HANDOFF_RETRY_INITIAL: Duration = Duration::from_millis(200);
+/// Longest delay between handover retries.
+pub const HANDOFF_RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// Runs a blocking redirection call off the async workers.
+async fn blocking<T: Send + 'static>(
+    what: &str,
+    f: impl FnOnce() -> Result<T, redirect::RedirectError> + Send + 'static,
+) -> Result<T, String> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(result) => result.map_err(|e| e.to_string()),
+        Err(e) => Err(format!("{what}: the blocking task failed: {e}")),
+    }
+}
+
+async fn install_redirect(netns: &Path, ports: RedirectPorts) -> Result<(), String> {
+    let netns = netns.to_path_buf();
+    blocking("installing the redirection", move || {
+        redirect::install(&netns, &ports)
+    })
+    .await
+}
+
+async fn remove_redirect(netns: &Path) -> Result<(), String> {
+    let netns = netns.to_path_buf();
+    blocking("removing the redirection", move || redirect::remove(&netns)).await
+}
+
+async fn redirect_installed(netns: &Path) -> Result<bool, String> {
+    let netns = netns.to_path_buf();
+    blocking("checking the redirection", move || {
+        redirect::is_installed(&netns)
+    })
+    .await
 }
 
 impl PodRecord {
@@ -48,9 +106,24 @@ pub struct PodTable {
 }
 
 impl PodTable {
+    /// [`PodTable::load`] on a blocking thread.
+    pub async fn load_async(state_dir: &Path) -> Self {
+        let dir = state_dir.to_path_buf();
+        match tokio::task::spawn_blocking(move || Self::load(&dir)).await {
+            Ok(table) => table,
+            Err(e) => {
+                tracing::warn!(error = %e, "loading the pod table failed; starting empty");
+                Self {
+                    pods: BTreeMap::new(),
+                    file: state_dir.join("pods.json"),
+                }
+            }
+        }
+    }
+
     /// Loads the table, keeping only pods whose netns still exists; an
     /// enrolled pod whose redirection chain is gone is marked not enrolled
-    /// (the reconcile puts it back if it should be).
+    /// (the reconcile puts it back if it should be). Blocks (runs children).
     pub fn load(state_dir: &Path) -> Self {
         let file = state_dir.join("pods.json");
         let mut pods: BTreeMap<String, PodRecord> = std::fs::read(&file)
@@ -98,6 +171,8 @@ struct AgentTask {
     view: Arc<MeshView>,
     ztunnel: Option<ZtunnelConnection>,
     zds_socket: PathBuf,
+    /// Next handover retry of unserved pods, and the delay after it.
+    retry: Option<(tokio::time::Instant, Duration)>,
 }
 
 pub(super) async fn run(
@@ -115,10 +190,15 @@ pub(super) async fn run(
         view,
         ztunnel: None,
         zds_socket,
+        retry: None,
     };
     task.reconcile().await;
     loop {
+        let retry_at = task.retry.map(|(at, _)| at);
         tokio::select! {
+            () = sleep_until(retry_at) => {
+                task.retry_unserved().await;
+            }
             ev = events.recv() => match ev {
                 None => return,
                 Some(Event::Cni(req, reply)) => {
@@ -163,7 +243,14 @@ impl AgentTask {
     /// redirection is removed again: a pod must not be captured with no
     /// ztunnel listening.
     async fn enroll(&mut self, rec: &PodRecord) -> Result<(), String> {
-        redirect::install(&rec.netns, &self.ports).map_err(|e| e.to_string())?;
+        if let Err(e) = install_redirect(&rec.netns, self.ports).await {
+            // A failed install (e.g. a child timed out) may have left part
+            // of it (the ip rule); take back what is there.
+            if let Err(undo) = remove_redirect(&rec.netns).await {
+                tracing::debug!(uid = %rec.uid(), error = %undo, "cleaning up a failed install");
+            }
+            return Err(e);
+        }
         let handed = match self.ztunnel() {
             Ok(z) => z.add(&rec.uid(), self.info(rec), &rec.netns).await,
             Err(e) => Err(e),
@@ -172,7 +259,9 @@ impl AgentTask {
             if matches!(e, ZdsServerError::Io(_)) {
                 self.ztunnel = None;
             }
-            let _ = redirect::remove(&rec.netns);
+            if let Err(undo) = remove_redirect(&rec.netns).await {
+                tracing::warn!(uid = %rec.uid(), error = %undo, "cannot undo the redirection of a pod ztunnel did not take");
+            }
             return Err(e.to_string());
         }
         tracing::info!(uid = %rec.uid(), pod = %format!("{}/{}", rec.pod.namespace, rec.pod.name), "pod enrolled");
@@ -189,7 +278,7 @@ impl AgentTask {
                 self.ztunnel = None;
             }
         }
-        if let Err(e) = redirect::remove(&rec.netns) {
+        if let Err(e) = remove_redirect(&rec.netns).await {
             // A deleted pod's netns may be gone already: nothing to remove.
             tracing::debug!(uid = %rec.uid(), error = %e, "removing the redirection");
         }
@@ -203,6 +292,7 @@ impl AgentTask {
             netns: req.netns.clone(),
             ips: req.ips.clone(),
             enrolled: false,
+            served: true,
         };
         let uid = key.uid();
         match req.command {
@@ -259,10 +349,16 @@ impl AgentTask {
                         format!("pod {uid}: enrolled={} but should be {want}", rec.enrolled),
                         true,
                     ),
-                    Some(rec) if rec.enrolled => match redirect::is_installed(&rec.netns) {
+                    Some(rec) if rec.enrolled && !rec.served => Reply::error(
+                        format!(
+                            "pod {uid}: redirected but ztunnel does not serve it yet (retrying)"
+                        ),
+                        true,
+                    ),
+                    Some(rec) if rec.enrolled => match redirect_installed(&rec.netns).await {
                         Ok(true) => Reply::ok(true),
                         Ok(false) => Reply::error(format!("pod {uid}: redirection missing"), false),
-                        Err(e) => Reply::error(e.to_string(), false),
+                        Err(e) => Reply::error(e, false),
                     },
                     Some(_) => Reply::ok(false),
                 }
@@ -287,6 +383,7 @@ impl AgentTask {
                     Ok(()) => {
                         if let Some(r) = self.table.pods.get_mut(&uid) {
                             r.enrolled = true;
+                            r.served = true;
                         }
                         changed = true;
                     }
@@ -321,14 +418,21 @@ impl AgentTask {
             return;
         };
         for rec in &enrolled {
-            if let Err(e) = z.add(&rec.uid(), self.info(rec), &rec.netns).await {
-                tracing::warn!(uid = %rec.uid(), error = %e, "snapshot: ztunnel refused a pod");
-                if matches!(e, ZdsServerError::Io(_)) {
-                    self.ztunnel = None;
-                    return;
+            let served = match z.add(&rec.uid(), self.info(rec), &rec.netns).await {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(uid = %rec.uid(), error = %e, "snapshot: ztunnel refused a pod; keeping its redirection and retrying the handover");
+                    if matches!(e, ZdsServerError::Io(_)) {
+                        self.ztunnel = None;
+                        return;
+                    }
+                    false
                 }
-            }
+            };
+            self.set_served(&rec.uid(), served);
         }
+        self.table.save();
+        self.schedule_retry(HANDOFF_RETRY_INITIAL);
         if let Err(e) = z.snapshot_sent().await {
             tracing::warn!(error = %e, "snapshot: SnapshotSent failed");
             self.ztunnel = None;
@@ -336,5 +440,61 @@ impl AgentTask {
         }
         tracing::info!(pods = enrolled.len(), "snapshot sent to ztunnel");
         self.reconcile().await;
+    }
+
+    fn set_served(&mut self, uid: &str, served: bool) {
+        if let Some(r) = self.table.pods.get_mut(uid) {
+            r.served = served;
+        }
+    }
+
+    /// Arms the retry timer when some enrolled pod is unserved, else clears it.
+    fn schedule_retry(&mut self, delay: Duration) {
+        let any = self.table.pods.values().any(|r| r.enrolled && !r.served);
+        self.retry = any.then(|| (tokio::time::Instant::now() + delay, delay));
+    }
+
+    /// Hands every enrolled-but-unserved pod to ztunnel again.
+    async fn retry_unserved(&mut self) {
+        let delay = self.retry.map_or(HANDOFF_RETRY_INITIAL, |(_, d)| d);
+        let Some(z) = self.ztunnel.clone() else {
+            // A reconnecting ztunnel gets the whole snapshot anyway.
+            self.retry = None;
+            return;
+        };
+        let unserved: Vec<PodRecord> = self
+            .table
+            .pods
+            .values()
+            .filter(|r| r.enrolled && !r.served)
+            .cloned()
+            .collect();
+        for rec in &unserved {
+            match z.add(&rec.uid(), self.info(rec), &rec.netns).await {
+                Ok(()) => {
+                    tracing::info!(uid = %rec.uid(), pod = %format!("{}/{}", rec.pod.namespace, rec.pod.name), "ztunnel took the pod on a retry");
+                    self.set_served(&rec.uid(), true);
+                }
+                Err(ZdsServerError::Io(e)) => {
+                    tracing::warn!(error = %e, "ZDS connection lost while retrying a handover");
+                    self.ztunnel = None;
+                    self.retry = None;
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(uid = %rec.uid(), error = %e, retry_in = ?delay, "ztunnel still refuses the pod");
+                }
+            }
+        }
+        self.table.save();
+        self.schedule_retry((delay * 2).min(HANDOFF_RETRY_MAX));
+    }
+}
+
+/// Sleeps until `at`, or forever when there is nothing to wait for.
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }

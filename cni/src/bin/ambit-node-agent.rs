@@ -59,6 +59,11 @@ struct Args {
     /// Remove the plugin from the CNI configuration and the bin dir, then exit.
     #[arg(long)]
     uninstall: bool,
+    /// Bound, in milliseconds, on installing, removing or checking one pod's
+    /// redirection (every `ip`/`iptables` child it runs; a hung child is
+    /// killed and the CNI ADD fails with a timeout error).
+    #[arg(long, env = "COMMAND_TIMEOUT_MS", default_value_t = 4_000)]
+    command_timeout_ms: u64,
 }
 
 fn install_config(args: &Args) -> Result<InstallConfig> {
@@ -91,6 +96,9 @@ async fn main() -> Result<()> {
         )
         .init();
     let args = Args::parse();
+    ambit_cni::redirect::set_operation_timeout(std::time::Duration::from_millis(
+        args.command_timeout_ms,
+    ));
     let install_cfg = install_config(&args)?;
     if args.uninstall {
         let removed = install::remove(&install_cfg)?;

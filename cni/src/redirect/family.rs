@@ -182,10 +182,11 @@ impl Fam<'_> {
     }
 
     fn restore(&self, script: &str) -> Result<()> {
+        let wait = super::XTABLES_WAIT_SECS.to_string();
         run(
             self.ns,
             self.p.restore(self.f),
-            &["--noflush"],
+            &["-w", &wait, "--noflush"],
             Some(script),
         )
         .map(|_| ())

@@ -412,10 +412,36 @@ fn up_exec_status_down_end_to_end() {
         .to_string();
     assert!(e.contains("mesh/client"), "{e}");
 
+    // Issue 14: what `local exec … &` left running in a pod goes with the
+    // pod, even when it ignores SIGTERM, and `down` returns once it is gone.
+    let mut stray = cluster
+        .command(
+            "mesh/client",
+            &["sh", "-c", "trap '' TERM; while :; do sleep 1; done"],
+        )
+        .unwrap()
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
     let started = Instant::now();
     let report = cluster.down().unwrap();
     println!("down took {:?}:\n{}", started.elapsed(), report.render());
-    assert_eq!(report.stopped.len(), 6, "{report:?}");
+    assert!(
+        stray.try_wait().unwrap().is_some(),
+        "a process left in a pod's netns survived `down`: {report:?}"
+    );
+    assert!(
+        report
+            .stopped
+            .iter()
+            .any(|s| s.contains("in netns") && s.contains("-mesh-client")),
+        "{report:?}"
+    );
+    assert_eq!(
+        report.stopped.len(),
+        8,
+        "6 of the cluster, sh and sleep: {report:?}"
+    );
     assert_eq!(
         report.netns_removed.len(),
         5,

@@ -30,6 +30,8 @@ pub mod netns;
 pub mod zds;
 
 #[cfg(test)]
+mod listener_tests;
+#[cfg(test)]
 mod tests;
 
 pub use netns::{NetnsError, NetnsId, NetnsSockets, PodNetns, SocketOptions};

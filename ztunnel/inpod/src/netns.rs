@@ -158,8 +158,8 @@ impl PodNetns {
         })
     }
 
-    /// A listening TCP socket inside this namespace: `SO_REUSEADDR`,
-    /// `IPV6_V6ONLY` for IPv6 (so `0.0.0.0` and `[::]` can share a port),
+    /// A listening TCP socket inside this namespace: `SO_REUSEADDR` and
+    /// `SO_REUSEPORT` (see [`listener_socket`]), `IPV6_V6ONLY` for IPv6 (so `0.0.0.0` and `[::]` can share a port),
     /// `IP_TRANSPARENT` when asked (needs `CAP_NET_ADMIN`), non-blocking —
     /// ready for `tokio::net::TcpListener::from_std`.
     pub fn bind_listener(&self, addr: SocketAddr, transparent: bool) -> io::Result<TcpListener> {
@@ -313,12 +313,23 @@ fn set_transparent(sock: &Socket, v6: bool) -> io::Result<()> {
 
 /// Creates a listener in the *current thread's* namespace (call it from
 /// [`PodNetns::run_in`]). Errors keep their [`io::ErrorKind`].
+///
+/// Both `SO_REUSEADDR` and `SO_REUSEPORT` are set. A ztunnel that takes a
+/// pod over from another one binds while the other still listens, and
+/// while connections accepted by the other sit in TIME_WAIT on the port;
+/// those sockets carry the options of the listener that accepted them. The
+/// kernel lets the bind through only when both sockets share one of the two
+/// options: `SO_REUSEPORT` for a live listener (same user) and for a ztunnel
+/// that sets only that one (Istio's), `SO_REUSEADDR` for TIME_WAIT left by
+/// one that sets only that one (older Ambit).
 pub fn listener_socket(addr: SocketAddr, transparent: bool) -> io::Result<TcpListener> {
     let ctx = |e: io::Error, step: &str| with_context(e, format!("listening on {addr}: {step}"));
     let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
         .map_err(|e| ctx(e, "socket"))?;
     sock.set_reuse_address(true)
         .map_err(|e| ctx(e, "SO_REUSEADDR"))?;
+    sock.set_reuse_port(true)
+        .map_err(|e| ctx(e, "SO_REUSEPORT"))?;
     if addr.is_ipv6() {
         sock.set_only_v6(true).map_err(|e| ctx(e, "IPV6_V6ONLY"))?;
     }

@@ -169,8 +169,16 @@ fn a_netns_fd_sent_over_zds_arrives_usable() {
     rt.spawn(async move {
         while let Some(cmd) = rx.recv().await {
             let outcome = match cmd.event {
+                // pod-2 asks for an address the netns does not have.
                 InpodEvent::Add { uid, netns, .. } => netns
-                    .bind_listener(([127, 0, 0, 1], 15001).into(), false)
+                    .bind_listener(
+                        if uid == "pod-1" {
+                            ([127, 0, 0, 1], 15001).into()
+                        } else {
+                            ([192, 0, 2, 1], 15001).into()
+                        },
+                        false,
+                    )
                     .map(|l| {
                         let _ = seen_tx.send((uid, netns.id().ino, l));
                     })
@@ -197,14 +205,14 @@ fn a_netns_fd_sent_over_zds_arrives_usable() {
     assert_eq!(ino, pod.ino(), "the owner got the pod's netns");
     assert_eq!(listener.local_addr().unwrap().port(), 15001);
 
-    // A second listener on that port in the same netns collides: proof the
-    // first one lives in the pod's netns, and the error comes back as the ack.
+    // A listener that cannot be made (an address the pod's netns does not
+    // have) comes back as the ack's error text.
     let again = ZdsMessage::Add {
         uid: "pod-2".into(),
         info: WorkloadInfo::default(),
     };
     let ack = conn.request(&again, Some(ns_file.as_fd())).unwrap();
-    assert!(ack.contains("127.0.0.1:15001"), "{ack}");
+    assert!(ack.contains("192.0.2.1:15001"), "{ack}");
 
     let _ = stop.send(());
     rt.block_on(async { tokio::time::timeout(T, client).await })

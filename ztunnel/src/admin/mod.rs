@@ -156,6 +156,8 @@ pub(crate) struct AdminContext {
     pub state: StateReader,
     pub metrics: Arc<Metrics>,
     pub ready: watch::Receiver<bool>,
+    /// Pods handed over by the node agent but not served.
+    pub unserved: watch::Receiver<crate::inpod::UnservedSet>,
     pub log: Option<LogControl>,
     pub quit: watch::Sender<bool>,
     /// Source of the `certificates` section of `/config_dump`.
@@ -275,13 +277,24 @@ pub(crate) fn route(
         },
         (Listener::Readiness, "/healthz/ready") => match *method {
             Method::GET => {
-                if *ctx.ready.borrow() {
-                    text(StatusCode::OK, "ready\n")
-                } else {
+                let unserved = ctx.unserved.borrow().clone();
+                if !*ctx.ready.borrow() {
                     text(
                         StatusCode::SERVICE_UNAVAILABLE,
                         "not ready: waiting for the first xDS sync from the control plane\n",
                     )
+                } else if !unserved.is_empty() {
+                    let mut body = format!(
+                        "not ready: {} pod(s) enrolled by the node agent but not served \
+                         (no in-pod listeners); the agent retries the handover:\n",
+                        unserved.len()
+                    );
+                    for (pod, why) in &unserved {
+                        body.push_str(&format!("  {pod}: {why}\n"));
+                    }
+                    text(StatusCode::SERVICE_UNAVAILABLE, body)
+                } else {
+                    text(StatusCode::OK, "ready\n")
                 }
             }
             _ => not_allowed("GET"),

@@ -29,6 +29,7 @@ fn context() -> Arc<AdminContext> {
         log: None,
         quit,
         certificates: None,
+        unserved: watch::channel(Default::default()).1,
     })
 }
 

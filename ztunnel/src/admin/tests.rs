@@ -105,6 +105,7 @@ fn context(ready: bool) -> (AdminContext, watch::Receiver<bool>) {
             state: hand_built_state(),
             metrics: Arc::new(Metrics::new()),
             ready: ready_rx,
+            unserved: watch::channel(Default::default()).1,
             log: None,
             quit: quit_tx,
             certificates: None,
@@ -227,6 +228,39 @@ async fn readiness_follows_the_flag() {
     );
     assert_eq!(r.status(), StatusCode::OK);
     assert_eq!(body(r).await, "ready\n");
+}
+
+#[tokio::test]
+async fn readiness_lists_pods_enrolled_but_not_served() {
+    let (mut ctx, _quit) = context(true);
+    let (tx, rx) = watch::channel(crate::inpod::UnservedSet::new());
+    ctx.unserved = rx;
+    tx.send_modify(|u| {
+        u.insert(
+            "shop/web-0 (uid u1)".into(),
+            "cannot open listeners: address in use".into(),
+        );
+    });
+    let r = route(
+        Listener::Readiness,
+        &ctx,
+        &Method::GET,
+        "/healthz/ready",
+        None,
+    );
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let text = body(r).await;
+    assert!(text.contains("shop/web-0 (uid u1)"), "{text}");
+    assert!(text.contains("not served"), "{text}");
+    tx.send_modify(|u| u.clear());
+    let r = route(
+        Listener::Readiness,
+        &ctx,
+        &Method::GET,
+        "/healthz/ready",
+        None,
+    );
+    assert_eq!(r.status(), StatusCode::OK);
 }
 
 #[tokio::test]

@@ -7,6 +7,14 @@
 //! HTTP/2 I/O; it ends when the peer closes or every handle and stream is
 //! dropped. [`HboneConnection::is_usable`] says whether new streams may be
 //! opened on it (for the pool to come, see the module docs of `hbone`).
+//!
+//! Nothing waits on the peer unbounded ([`ClientTimeouts`]): the TLS and
+//! HTTP/2 handshakes, a free stream slot and the CONNECT response each have
+//! a deadline, and the connection task sends an HTTP/2 PING every
+//! [`ClientTimeouts::keepalive_interval`]; a peer that does not answer one
+//! within [`ClientTimeouts::keepalive_timeout`] gets the connection closed
+//! and marked broken, so the pool never hands it out again. TCP keepalive
+//! covers a peer that vanished while the connection was idle.
 
 use std::io;
 use std::net::SocketAddr;
@@ -26,6 +34,47 @@ use super::stream::H2Stream;
 use super::tls::{ALPN_H2, TlsError, peer_identity, verification_error};
 use super::{CONNECTION_WINDOW, HANDSHAKE_TIMEOUT, MAX_FRAME_SIZE, MAX_SEND_BUFFER, STREAM_WINDOW};
 use crate::identity::Identity;
+
+/// Default bound on the peer's answer to a `CONNECT`.
+pub const CONNECT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default bound on waiting for a free stream slot on a connection.
+pub const STREAM_SLOT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default time between HTTP/2 PINGs on a connection (Istio's ztunnel: 10 s).
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// Default bound on the PING's answer before the connection is dropped
+/// (Istio's ztunnel: 20 s).
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// Idle time before the kernel's first TCP keepalive probe.
+pub const TCP_KEEPALIVE_TIME: Duration = Duration::from_secs(60);
+/// Time between TCP keepalive probes; 3 unanswered ones drop the socket.
+pub const TCP_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Every bound on waiting for an HBONE peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientTimeouts {
+    /// TLS + HTTP/2 handshakes.
+    pub handshake: Duration,
+    /// The peer's answer to a `CONNECT`.
+    pub connect_response: Duration,
+    /// A free stream slot (the peer's concurrency limit reached).
+    pub stream_slot: Duration,
+    /// Time between HTTP/2 PINGs.
+    pub keepalive_interval: Duration,
+    /// Bound on a PING's answer; past it the connection is closed.
+    pub keepalive_timeout: Duration,
+}
+
+impl Default for ClientTimeouts {
+    fn default() -> Self {
+        Self {
+            handshake: HANDSHAKE_TIMEOUT,
+            connect_response: CONNECT_RESPONSE_TIMEOUT,
+            stream_slot: STREAM_SLOT_TIMEOUT,
+            keepalive_interval: KEEPALIVE_INTERVAL,
+            keepalive_timeout: KEEPALIVE_TIMEOUT,
+        }
+    }
+}
 
 /// Errors of outbound HBONE connections and streams.
 #[derive(Debug, thiserror::Error)]
@@ -61,7 +110,10 @@ pub enum ClientError {
         peer: SocketAddr,
     },
     /// The handshakes took too long.
-    #[error("handshake with HBONE peer {peer} did not complete within {timeout:?}")]
+    #[error(
+        "TLS/HTTP/2 handshake with HBONE peer {peer} did not complete within {timeout:?}; the \
+         peer accepted TCP but does not answer (is its ztunnel hung, or is :15008 not HBONE?)"
+    )]
     HandshakeTimeout {
         /// The peer's address.
         peer: SocketAddr,
@@ -87,6 +139,32 @@ pub enum ClientError {
         /// The h2 error.
         #[source]
         source: h2::Error,
+    },
+    /// No stream slot came free on the connection in time.
+    #[error(
+        "no stream slot on the HBONE connection to {peer} within {timeout:?} for CONNECT {target}; \
+         the peer's stream limit is reached"
+    )]
+    StreamSlotTimeout {
+        /// The peer's address.
+        peer: SocketAddr,
+        /// The requested destination.
+        target: SocketAddr,
+        /// The bound that expired.
+        timeout: Duration,
+    },
+    /// The peer did not answer the CONNECT in time.
+    #[error(
+        "HBONE peer {peer} did not answer CONNECT {target} within {timeout:?}; the connection is \
+         dropped from the pool"
+    )]
+    ResponseTimeout {
+        /// The peer's address.
+        peer: SocketAddr,
+        /// The requested destination.
+        target: SocketAddr,
+        /// The bound that expired.
+        timeout: Duration,
     },
     /// The peer answered the CONNECT with something other than 200.
     #[error("HBONE peer {peer} ({identity}) refused CONNECT {target} with {status}{hint}")]
@@ -120,13 +198,13 @@ pub struct HboneClient;
 
 impl HboneClient {
     /// TLS (with `config`, see [`super::client_config`]) and HTTP/2
-    /// handshakes over a connected socket, bounded by
-    /// [`HANDSHAKE_TIMEOUT`].
+    /// handshakes over a connected socket, with the default
+    /// [`ClientTimeouts`].
     pub async fn connect(
         tcp: TcpStream,
         config: Arc<rustls::ClientConfig>,
     ) -> Result<HboneConnection, ClientError> {
-        Self::connect_with_timeout(tcp, config, HANDSHAKE_TIMEOUT).await
+        Self::connect_with(tcp, config, ClientTimeouts::default()).await
     }
 
     /// [`HboneClient::connect`] with another handshake bound.
@@ -135,8 +213,29 @@ impl HboneClient {
         config: Arc<rustls::ClientConfig>,
         handshake_timeout: Duration,
     ) -> Result<HboneConnection, ClientError> {
+        let timeouts = ClientTimeouts {
+            handshake: handshake_timeout,
+            ..ClientTimeouts::default()
+        };
+        Self::connect_with(tcp, config, timeouts).await
+    }
+
+    /// [`HboneClient::connect`] with the given bounds.
+    pub async fn connect_with(
+        tcp: TcpStream,
+        config: Arc<rustls::ClientConfig>,
+        timeouts: ClientTimeouts,
+    ) -> Result<HboneConnection, ClientError> {
+        let handshake_timeout = timeouts.handshake;
         let peer = tcp.peer_addr().map_err(ClientError::PeerAddr)?;
         let _ = tcp.set_nodelay(true);
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time(TCP_KEEPALIVE_TIME)
+            .with_interval(TCP_KEEPALIVE_INTERVAL)
+            .with_retries(3);
+        if let Err(e) = socket2::SockRef::from(&tcp).set_tcp_keepalive(&keepalive) {
+            tracing::debug!(%peer, error = %e, "cannot set TCP keepalive on the HBONE connection");
+        }
         let deadline = Instant::now() + handshake_timeout;
         let timed_out = |_| ClientError::HandshakeTimeout {
             peer,
@@ -165,7 +264,7 @@ impl HboneClient {
             source: TlsError::UnreadablePeerCertificate("no SPIFFE identity".into()),
         })?;
 
-        let (send_request, connection) = tokio::time::timeout_at(
+        let (send_request, mut connection) = tokio::time::timeout_at(
             deadline,
             h2::client::Builder::new()
                 .initial_window_size(STREAM_WINDOW)
@@ -182,9 +281,22 @@ impl HboneClient {
         let state = Arc::new(ConnectionState::default());
         let driver_state = state.clone();
         let driver_identity = identity.clone();
+        let ping_pong = connection.ping_pong();
         tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(%peer, identity = %driver_identity, error = %e, "HBONE connection ended with an error");
+            let silent = keepalive_pings(
+                ping_pong,
+                timeouts.keepalive_interval,
+                timeouts.keepalive_timeout,
+            );
+            tokio::select! {
+                ended = &mut connection => if let Err(e) = ended {
+                    tracing::debug!(%peer, identity = %driver_identity, error = %e, "HBONE connection ended with an error");
+                },
+                why = silent => {
+                    // Dropping the connection closes the socket; its streams fail.
+                    driver_state.broken.store(true, Ordering::Release);
+                    tracing::warn!(%peer, identity = %driver_identity, "closing the HBONE connection: {why}");
+                }
             }
             driver_state.closed.store(true, Ordering::Release);
         });
@@ -193,6 +305,7 @@ impl HboneClient {
             peer,
             identity,
             state,
+            timeouts,
         })
     }
 }
@@ -206,6 +319,31 @@ struct ConnectionState {
     broken: AtomicBool,
 }
 
+/// Sends a PING every `interval` while the connection lives; returns why
+/// the peer is considered gone (no answer within `timeout`, or the PING
+/// failed). Never returns when PINGs cannot be sent at all.
+async fn keepalive_pings(
+    ping_pong: Option<h2::PingPong>,
+    interval: Duration,
+    timeout: Duration,
+) -> String {
+    let Some(mut ping_pong) = ping_pong else {
+        return std::future::pending().await;
+    };
+    loop {
+        tokio::time::sleep(interval).await;
+        match tokio::time::timeout(timeout, ping_pong.ping(h2::Ping::opaque())).await {
+            Ok(Ok(_pong)) => {}
+            Ok(Err(e)) => return format!("HTTP/2 PING failed: {e}"),
+            Err(_) => {
+                return format!(
+                    "the peer did not answer an HTTP/2 PING within {timeout:?} (silent or hung peer)"
+                );
+            }
+        }
+    }
+}
+
 /// An established HBONE connection. Clones share it.
 #[derive(Clone)]
 pub struct HboneConnection {
@@ -213,6 +351,7 @@ pub struct HboneConnection {
     peer: SocketAddr,
     identity: Identity,
     state: Arc<ConnectionState>,
+    timeouts: ClientTimeouts,
 }
 
 impl std::fmt::Debug for HboneConnection {
@@ -245,7 +384,10 @@ impl HboneConnection {
     /// Opens a `CONNECT target` stream with extra `headers` (`baggage`,
     /// `forwarded`, `traceparent`) and waits for the peer's answer. Anything
     /// but 200 is [`ClientError::Status`]. Waits for a free stream slot if
-    /// the peer's concurrency limit is reached.
+    /// the peer's concurrency limit is reached, at most
+    /// [`ClientTimeouts::stream_slot`]; waits for the answer at most
+    /// [`ClientTimeouts::connect_response`], after which the connection is
+    /// marked broken (a peer that does not answer gets no new streams).
     pub async fn connect_stream(
         &self,
         target: SocketAddr,
@@ -264,7 +406,16 @@ impl HboneConnection {
                 source,
             }
         };
-        let mut send_request = self.send_request.clone().ready().await.map_err(failed)?;
+        let slot_timeout = self.timeouts.stream_slot;
+        let mut send_request =
+            tokio::time::timeout(slot_timeout, self.send_request.clone().ready())
+                .await
+                .map_err(|_| ClientError::StreamSlotTimeout {
+                    peer: self.peer,
+                    target,
+                    timeout: slot_timeout,
+                })?
+                .map_err(failed)?;
 
         let mut request = Request::new(());
         *request.method_mut() = Method::CONNECT;
@@ -275,7 +426,18 @@ impl HboneConnection {
         *request.headers_mut() = headers;
 
         let (response, send) = send_request.send_request(request, false).map_err(failed)?;
-        let response = response.await.map_err(failed)?;
+        let response_timeout = self.timeouts.connect_response;
+        let response = match tokio::time::timeout(response_timeout, response).await {
+            Ok(answered) => answered.map_err(failed)?,
+            Err(_) => {
+                self.state.broken.store(true, Ordering::Release);
+                return Err(ClientError::ResponseTimeout {
+                    peer: self.peer,
+                    target,
+                    timeout: response_timeout,
+                });
+            }
+        };
         let status = response.status();
         if status != StatusCode::OK {
             return Err(ClientError::Status {

@@ -5,7 +5,8 @@
 //!  outbound                                             inbound (pod :15008)
 //!  HboneClient::connect(tcp, client_config(src cert, bundle, dst identity))
 //!    └─ HboneConnection ── TLS 1.3 + ALPN h2 ──▶ HboneServer::serve(tcp, authorize, handler)
-//!         connect_stream(ip:port, headers)  ───CONNECT──▶  ConnectRequest ─authorize─▶ 200
+//!         connect_stream(ip:port, headers)  ───CONNECT──▶  ConnectRequest ─authorize─▶ handler
+//!                                                          connects the app, then 200 (or 503)
 //!         H2Stream ◀════════════ bytes (copy::copy_bidirectional) ════════════▶ H2Stream
 //! ```
 //!
@@ -36,13 +37,15 @@ mod stream;
 pub mod tls;
 
 #[cfg(test)]
+mod keepalive_tests;
+#[cfg(test)]
 mod tests;
 
-pub use client::{ClientError, HboneClient, HboneConnection};
+pub use client::{ClientError, ClientTimeouts, HboneClient, HboneConnection};
 pub use pool::{
     DialFuture, Dialer, HbonePool, PoolConfig, PoolError, PoolKey, PooledStream, TcpDialer,
 };
-pub use server::{ConnectRequest, HboneServer, ServerError};
+pub use server::{ConnectRequest, HboneServer, PendingConnect, ServerError};
 pub use stream::H2Stream;
 pub use tls::{TlsError, client_config, peer_identity, server_config};
 

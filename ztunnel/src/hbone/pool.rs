@@ -41,7 +41,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use super::client::{ClientError, HboneClient, HboneConnection};
+use super::client::{ClientError, ClientTimeouts, HboneClient, HboneConnection};
 use super::stream::H2Stream;
 use super::tls::TlsError;
 use crate::identity::Identity;
@@ -101,6 +101,9 @@ pub struct PoolConfig {
     pub idle_timeout: Duration,
     /// Bound on the TCP connect of a dial.
     pub connect_timeout: Duration,
+    /// Handshake, stream-slot and CONNECT-response bounds and the HTTP/2
+    /// keepalive of every connection.
+    pub timeouts: ClientTimeouts,
 }
 
 impl Default for PoolConfig {
@@ -109,6 +112,7 @@ impl Default for PoolConfig {
             max_streams_per_conn: DEFAULT_MAX_STREAMS_PER_CONN,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            timeouts: ClientTimeouts::default(),
         }
     }
 }
@@ -515,7 +519,7 @@ impl HbonePool {
             .await
             .map_err(|_| PoolError::ConnectTimeout { dst, timeout })?
             .map_err(|source| PoolError::Connect { dst, source })?;
-        let conn = HboneClient::connect(tcp, config).await?;
+        let conn = HboneClient::connect_with(tcp, config, self.inner.config.timeouts).await?;
         if conn.peer_identity() != &key.dst {
             return Err(PoolError::PeerIdentity {
                 dst,

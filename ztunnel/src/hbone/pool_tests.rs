@@ -66,8 +66,12 @@ async fn start_server(
                     .serve(
                         tcp,
                         |_| Ok(()),
-                        |req, stream| async move {
-                            let app = TcpStream::connect(req.authority).await.unwrap();
+                        |req, pending: crate::hbone::PendingConnect| async move {
+                            let Ok(app) = TcpStream::connect(req.authority).await else {
+                                pending.refuse(hyper::http::StatusCode::SERVICE_UNAVAILABLE);
+                                return;
+                            };
+                            let Ok(stream) = pending.accept() else { return };
                             let _ = copy_bidirectional(stream, app, &CopyConfig::default()).await;
                         },
                     )

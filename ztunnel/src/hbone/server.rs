@@ -4,8 +4,11 @@
 //! Per stream: anything but `CONNECT` gets 405, a `:authority` that is not
 //! `ip:port` gets 400, then the caller's authorization callback decides
 //! (e.g. 401/403 for an address that is not the pod's — never an open
-//! proxy). An accepted stream gets `200` and is handed to the caller's
-//! handler as an [`H2Stream`] on its own task.
+//! proxy). An authorized stream is handed, unanswered, to the caller's
+//! handler on its own task as a [`PendingConnect`]: the handler connects to
+//! the destination first and only then answers `200` ([`PendingConnect::accept`])
+//! or a failure status such as 503 ([`PendingConnect::refuse`]), as Istio's
+//! ztunnel does — a client never sees 200 for a port nobody listens on.
 //!
 //! What one client can make a connection hold is bounded, as Istio's
 //! ztunnel bounds it: [`MAX_CONCURRENT_STREAMS`] open streams (h2 refuses
@@ -23,6 +26,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use h2::RecvStream;
+use h2::server::SendResponse;
 use hyper::http::{HeaderMap, Method, Response, StatusCode, Uri};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -124,6 +129,39 @@ pub struct ConnectRequest {
     pub headers: HeaderMap,
 }
 
+/// An authorized `CONNECT` stream waiting for its answer. Dropping it
+/// unanswered resets the stream.
+pub struct PendingConnect {
+    respond: SendResponse<Bytes>,
+    body: RecvStream,
+}
+
+impl std::fmt::Debug for PendingConnect {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingConnect")
+            .field("stream", &self.respond.stream_id())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PendingConnect {
+    /// Answers `200` and returns the tunnel. Fails when the client already
+    /// reset the stream or the connection is gone.
+    pub fn accept(mut self) -> Result<H2Stream, h2::Error> {
+        let send = self
+            .respond
+            .send_response(response(StatusCode::OK), false)?;
+        Ok(H2Stream::new(send, self.body))
+    }
+
+    /// Answers `status` and ends the stream.
+    pub fn refuse(mut self, status: StatusCode) {
+        if let Err(e) = self.respond.send_response(response(status), true) {
+            tracing::debug!(%status, error = %e, "HBONE stream gone before its refusal was sent");
+        }
+    }
+}
+
 /// Serves HBONE on accepted TCP connections.
 #[derive(Clone)]
 pub struct HboneServer {
@@ -157,9 +195,11 @@ impl HboneServer {
     /// Serves one accepted connection until the client closes it.
     ///
     /// For every valid `CONNECT`, `authorize` is asked first; `Err(status)`
-    /// refuses the stream with that status. Accepted streams get `200` and
-    /// `handler(request, stream)` is spawned as its own task. Streams still
-    /// running when this returns keep their tasks but lose their transport.
+    /// refuses the stream with that status. For authorized streams
+    /// `handler(request, pending)` is spawned as its own task; it answers
+    /// with [`PendingConnect::accept`] once the destination is connected,
+    /// or [`PendingConnect::refuse`]. Streams still running when this
+    /// returns keep their tasks but lose their transport.
     pub async fn serve<A, H, F>(
         &self,
         tcp: TcpStream,
@@ -168,7 +208,7 @@ impl HboneServer {
     ) -> Result<(), ServerError>
     where
         A: Fn(&ConnectRequest) -> Result<(), StatusCode>,
-        H: Fn(ConnectRequest, H2Stream) -> F,
+        H: Fn(ConnectRequest, PendingConnect) -> F,
         F: Future<Output = ()> + Send + 'static,
     {
         self.serve_until(tcp, authorize, handler, std::future::pending())
@@ -187,7 +227,7 @@ impl HboneServer {
     ) -> Result<(), ServerError>
     where
         A: Fn(&ConnectRequest) -> Result<(), StatusCode>,
-        H: Fn(ConnectRequest, H2Stream) -> F,
+        H: Fn(ConnectRequest, PendingConnect) -> F,
         F: Future<Output = ()> + Send + 'static,
         D: Future<Output = ()>,
     {
@@ -273,14 +313,9 @@ impl HboneServer {
                     tracing::debug!(%peer, %identity, method = %parts.method, uri = %parts.uri, %status, "HBONE request refused");
                     let _ = respond.send_response(response(status), true);
                 }
-                Ok(request) => match respond.send_response(response(StatusCode::OK), false) {
-                    Ok(send) => {
-                        tokio::spawn(handler(request, H2Stream::new(send, body)));
-                    }
-                    Err(e) => {
-                        tracing::debug!(%peer, %identity, error = %e, "HBONE stream gone before the 200 was sent");
-                    }
-                },
+                Ok(request) => {
+                    tokio::spawn(handler(request, PendingConnect { respond, body }));
+                }
             }
         }
         tracing::debug!(%peer, %identity, "HBONE connection closed");

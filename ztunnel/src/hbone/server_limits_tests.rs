@@ -56,7 +56,8 @@ async fn holding_server(
                     c.authorized.fetch_add(1, Ordering::SeqCst);
                     Ok(())
                 };
-                let handler = |_req: ConnectRequest, stream: H2Stream| {
+                let handler = |_req: ConnectRequest, pending: PendingConnect| {
+                    let stream = pending.accept();
                     let (c, mut release, open_tx) = (c.clone(), release.clone(), open_tx.clone());
                     let now = c.open.fetch_add(1, Ordering::SeqCst) + 1;
                     c.max.fetch_max(now, Ordering::SeqCst);

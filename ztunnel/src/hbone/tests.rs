@@ -76,10 +76,15 @@ async fn start_server(
                                 Err(StatusCode::FORBIDDEN)
                             }
                         },
-                        |req, stream| {
+                        |req, pending: PendingConnect| {
                             let _ = req_tx.send(req.clone());
                             async move {
-                                let app = TcpStream::connect(req.authority).await.unwrap();
+                                // Connect first, then answer: 503 when nobody listens.
+                                let Ok(app) = TcpStream::connect(req.authority).await else {
+                                    pending.refuse(StatusCode::SERVICE_UNAVAILABLE);
+                                    return;
+                                };
+                                let Ok(stream) = pending.accept() else { return };
                                 let _ =
                                     copy_bidirectional(stream, app, &CopyConfig::default()).await;
                             }

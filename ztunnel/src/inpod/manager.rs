@@ -4,11 +4,19 @@
 //! the pod's netns, listeners on `0.0.0.0` and `[::]` for 15001 (outbound),
 //! 15006 (inbound plaintext) and 15008 (inbound HBONE), and closes them when
 //! the pod is deleted or is missing from the agent's snapshot.
+//!
+//! A bind that finds the port taken (another ztunnel handing the pod over,
+//! or connections of one in TIME_WAIT) is retried with backoff for
+//! [`BIND_RETRY_BUDGET`], well inside the agent's ack timeout. A pod that
+//! still cannot be served is refused (the agent retries) and listed in
+//! [`InpodHandle::unserved`] until it is served or gone, so readiness says
+//! so.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use ambit_inpod::netns::{UNSPECIFIED, listener_socket};
 use ambit_inpod::{InpodCommand, InpodEvent, NetnsId, NetnsSockets, PodNetns};
@@ -98,6 +106,18 @@ pub struct PodSummary {
 /// The current pods, by uid.
 pub type PodSet = BTreeMap<String, PodSummary>;
 
+/// Pods the node agent handed over that this ztunnel could not serve:
+/// `namespace/name (uid …)` → why. Empty when every handed pod is served.
+pub type UnservedSet = BTreeMap<String, String>;
+
+/// How long a bind that finds the port in use is retried before the pod is
+/// refused. Below the agent's ack timeout (5 s), so the agent hears why.
+pub const BIND_RETRY_BUDGET: Duration = Duration::from_secs(2);
+/// First delay between bind attempts; doubles up to [`BIND_RETRY_MAX_DELAY`].
+pub const BIND_RETRY_INITIAL_DELAY: Duration = Duration::from_millis(10);
+/// Longest delay between bind attempts.
+pub const BIND_RETRY_MAX_DELAY: Duration = Duration::from_millis(250);
+
 /// Handle to a running [`InpodManager`].
 #[derive(Debug)]
 pub struct InpodHandle {
@@ -105,6 +125,8 @@ pub struct InpodHandle {
     pub commands: mpsc::Sender<InpodCommand>,
     /// The pod set, updated before each ack is sent.
     pub pods: watch::Receiver<PodSet>,
+    /// Pods handed over but not served (their listeners could not be made).
+    pub unserved: watch::Receiver<UnservedSet>,
     /// Ends after draining, once every pod's listeners are closed.
     pub task: JoinHandle<()>,
 }
@@ -131,6 +153,9 @@ pub struct InpodManager {
     /// has mentioned so far.
     seen: Option<HashSet<String>>,
     published: watch::Sender<PodSet>,
+    /// uid → (shown name, why) of pods refused; see [`UnservedSet`].
+    unserved: BTreeMap<String, (String, String)>,
+    published_unserved: watch::Sender<UnservedSet>,
 }
 
 impl InpodManager {
@@ -142,17 +167,21 @@ impl InpodManager {
     ) -> InpodHandle {
         let (commands, rx) = mpsc::channel(64);
         let (published, pods) = watch::channel(PodSet::new());
+        let (published_unserved, unserved) = watch::channel(UnservedSet::new());
         let manager = Self {
             cfg,
             proxy,
             pods: HashMap::new(),
             seen: None,
             published,
+            unserved: BTreeMap::new(),
+            published_unserved,
         };
         let task = tokio::spawn(manager.run(rx, drain));
         InpodHandle {
             commands,
             pods,
+            unserved,
             task,
         }
     }
@@ -196,6 +225,15 @@ impl InpodManager {
                 true
             }
         });
+        let unserved: UnservedSet = self.unserved.values().cloned().collect();
+        self.published_unserved.send_if_modified(|current| {
+            if *current == unserved {
+                false
+            } else {
+                *current = unserved;
+                true
+            }
+        });
     }
 
     async fn handle(&mut self, event: InpodEvent) -> Result<(), InpodError> {
@@ -208,7 +246,18 @@ impl InpodManager {
                 if let Some(seen) = &mut self.seen {
                     seen.insert(uid.clone());
                 }
-                self.add(uid, info, netns).await
+                let shown = format!("{}/{} (uid {uid})", info.namespace, info.name);
+                let added = self.add(uid.clone(), info, netns).await;
+                match &added {
+                    Ok(()) => {
+                        self.unserved.remove(&uid);
+                    }
+                    Err(e) => {
+                        warn!(pod = %shown, error = %e, "ZDS: cannot serve the pod; the node agent will retry");
+                        self.unserved.insert(uid, (shown, e.to_string()));
+                    }
+                }
+                added
             }
             InpodEvent::Keep { uid } => {
                 let Some(seen) = &mut self.seen else {
@@ -224,6 +273,7 @@ impl InpodManager {
                 if let Some(seen) = &mut self.seen {
                     seen.remove(&uid);
                 }
+                self.unserved.remove(&uid);
                 // Deleting a pod this ztunnel never had is fine (idempotent).
                 self.remove(&uid, "deleted by the node agent").await;
                 Ok(())
@@ -243,6 +293,7 @@ impl InpodManager {
                     self.remove(&uid, "missing from the node agent's snapshot")
                         .await;
                 }
+                self.unserved.retain(|uid, _| seen.contains(uid));
                 Ok(())
             }
         }
@@ -272,7 +323,7 @@ impl InpodManager {
         let bind_netns = netns.clone();
         let want_sockets = self.proxy.is_some();
         let bound = tokio::task::spawn_blocking(move || {
-            let listeners = bind_netns.run_in(move || bind_all(&specs))?;
+            let listeners = bind_with_retry(&bind_netns, &specs)?;
             let sockets = if want_sockets {
                 Some(NetnsSockets::spawn(&bind_netns)?)
             } else {
@@ -401,6 +452,40 @@ impl InpodManager {
             "in-pod listeners closed; draining its connections"
         );
         pod.connections
+    }
+}
+
+/// Binds every listener in `netns`, retrying while a port is in use (a
+/// ztunnel handing the pod over still holds it) for [`BIND_RETRY_BUDGET`].
+/// Runs on a blocking thread.
+fn bind_with_retry(
+    netns: &PodNetns,
+    specs: &[(ListenerRole, SocketAddr, bool)],
+) -> io::Result<Vec<(ListenerRole, SocketAddr, std::net::TcpListener)>> {
+    let deadline = std::time::Instant::now() + BIND_RETRY_BUDGET;
+    let mut delay = BIND_RETRY_INITIAL_DELAY;
+    let mut attempts = 1u32;
+    loop {
+        match netns.run_in(|| bind_all(specs)) {
+            Err(e)
+                if e.kind() == io::ErrorKind::AddrInUse
+                    && std::time::Instant::now() + delay < deadline =>
+            {
+                debug!(netns = %netns.id(), error = %e, attempts, "in-pod port in use; retrying the bind");
+                std::thread::sleep(delay);
+                delay = (delay * 2).min(BIND_RETRY_MAX_DELAY);
+                attempts += 1;
+            }
+            Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{e} (still in use after {attempts} attempts over {BIND_RETRY_BUDGET:?})"
+                    ),
+                ));
+            }
+            other => return other,
+        }
     }
 }
 

@@ -20,4 +20,5 @@ pub mod manager;
 
 pub use manager::{
     InpodConfig, InpodError, InpodHandle, InpodManager, ListenerRole, PodSet, PodSummary,
+    UnservedSet,
 };

@@ -4,6 +4,12 @@
 //! also carries PeerAuthentication STRICT as a deny of identity-less
 //! connections — and deliver to the app from inside the pod, from the
 //! original client's IP when transparent delivery is on.
+//!
+//! A CONNECT is answered only once the app's port is connected: `200`
+//! then, `503` when the connect fails (refused, unreachable, timed out) —
+//! Istio's ztunnel's answer — so the client never gets a tunnel to a port
+//! nobody listens on. Refusals before that: 400 (ztunnel's own port), 403
+//! (not this pod's address), 401 (policy).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,7 +23,7 @@ use super::connection::{accept_loop, copy_until_drained, finish, original_dst};
 use super::metrics::{ConnectionOpen, ConnectionResult, Reporter, SecurityPolicy};
 use super::{PodContext, ProxyContext, ProxyError, peer_info, workload_identity};
 use crate::drain::DRAIN_DEADLINE;
-use crate::hbone::{ConnectRequest, H2Stream, HboneServer};
+use crate::hbone::{ConnectRequest, HboneServer, PendingConnect};
 use crate::identity::Identity;
 use crate::rbac::{ConnectionAttrs, Decision, PeerIdentity};
 use crate::state::{StateSnapshot, Workload};
@@ -57,10 +63,10 @@ async fn hbone_connection(
     };
     let server = HboneServer::new(config);
     let authorize = |req: &ConnectRequest| authorize(&ctx, &pod, req);
-    let handler = |req: ConnectRequest, stream: H2Stream| {
+    let handler = |req: ConnectRequest, pending: PendingConnect| {
         let ctx = ctx.clone();
         let pod = pod.clone();
-        async move { hbone_stream(ctx, pod, req, stream).await }
+        async move { hbone_stream(ctx, pod, req, pending).await }
     };
     let serve = server.serve_until(tcp, authorize, handler, pod.drain.signaled());
     tokio::pin!(serve);
@@ -166,12 +172,13 @@ fn authorize(ctx: &ProxyContext, pod: &PodContext, req: &ConnectRequest) -> Resu
     }
 }
 
-/// One accepted CONNECT stream: deliver it to the app.
+/// One authorized CONNECT stream: connect to the app, then answer 200 and
+/// copy, or answer 503.
 async fn hbone_stream(
     ctx: Arc<ProxyContext>,
     pod: Arc<PodContext>,
     req: ConnectRequest,
-    stream: H2Stream,
+    pending: PendingConnect,
 ) {
     let _guard = pod.guard();
     let dst = req.authority;
@@ -196,15 +203,52 @@ async fn hbone_stream(
             dst.ip(),
             dst.port(),
         );
-        let outcome = deliver(&ctx, &pod, stream, attrs, dst).await;
+        let outcome = async {
+            let (_registration, revoked) = register(&ctx, &pod, attrs.clone());
+            let upstream = match connect_app(&ctx, &pod, &attrs, dst).await {
+                Ok(upstream) => upstream,
+                Err(e) => {
+                    pending.refuse(StatusCode::SERVICE_UNAVAILABLE);
+                    return Err(e);
+                }
+            };
+            let stream = pending.accept().map_err(ProxyError::ClientReset)?;
+            copy_until_drained(&pod, stream, upstream, &ctx.cfg.copy, Some(revoked)).await
+        }
+        .await;
         finish(result, outcome);
     }
     .instrument(span)
     .await;
 }
 
-/// Connects to the app and copies, registered as a live connection so a
-/// policy change that denies `attrs` closes it.
+/// Registers a live connection so a policy change that denies `attrs`
+/// closes it.
+fn register(
+    ctx: &ProxyContext,
+    pod: &PodContext,
+    attrs: ConnectionAttrs,
+) -> (super::live::Registration, super::live::Revoked) {
+    ctx.live
+        .register(attrs, pod.namespace_arc(), pod.name_arc())
+}
+
+/// Connects to the app from inside the pod, from the client's IP when
+/// delivery is transparent.
+async fn connect_app(
+    ctx: &ProxyContext,
+    pod: &PodContext,
+    attrs: &ConnectionAttrs,
+    dst: SocketAddr,
+) -> Result<TcpStream, ProxyError> {
+    let from = ctx
+        .cfg
+        .inbound_transparent
+        .then(|| attrs.src_ip.to_canonical());
+    pod.connect(ctx, dst, from).await
+}
+
+/// Connects to the app and copies, registered as a live connection.
 async fn deliver<S>(
     ctx: &ProxyContext,
     pod: &PodContext,
@@ -215,12 +259,8 @@ async fn deliver<S>(
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
-    let src = attrs.src_ip;
-    let (_registration, revoked) = ctx
-        .live
-        .register(attrs, pod.namespace_arc(), pod.name_arc());
-    let from = ctx.cfg.inbound_transparent.then(|| src.to_canonical());
-    let upstream = pod.connect(ctx, dst, from).await?;
+    let (_registration, revoked) = register(ctx, pod, attrs.clone());
+    let upstream = connect_app(ctx, pod, &attrs, dst).await?;
     copy_until_drained(pod, downstream, upstream, &ctx.cfg.copy, Some(revoked)).await
 }
 

@@ -95,6 +95,8 @@ pub enum ProxyError {
     },
     #[error("HBONE server: {0}")]
     HboneServer(#[from] ServerError),
+    #[error("the HBONE client reset the stream before it was answered: {0}")]
+    ClientReset(#[source] h2::Error),
     #[error("connecting to {dst}: {source}")]
     Connect {
         dst: SocketAddr,
@@ -124,9 +126,10 @@ impl ProxyError {
             | ProxyError::Revoked { .. }
             | ProxyError::NotThisPod { .. }
             | ProxyError::Loop(_) => F::Deny,
-            ProxyError::Copy(_) | ProxyError::Drained | ProxyError::HboneServer(_) => {
-                F::DownstreamTerminated
-            }
+            ProxyError::Copy(_)
+            | ProxyError::Drained
+            | ProxyError::HboneServer(_)
+            | ProxyError::ClientReset(_) => F::DownstreamTerminated,
             ProxyError::Hbone {
                 source: PoolError::Client(ClientError::Status { status, .. }),
                 ..

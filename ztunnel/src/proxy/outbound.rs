@@ -98,6 +98,7 @@ async fn handle(
     let result = ConnectionResult::new(open, &ctx.metrics);
     let span = result.span().clone();
     async move {
+        let mut downstream = downstream;
         let outcome = match resolved {
             Resolved::NoEndpoint { service, port } => Err(ProxyError::NoHealthyEndpoint {
                 service: service.hostname.clone(),
@@ -107,18 +108,35 @@ async fn handle(
                 if is_loop(addr, listener, &ctx) {
                     Err(ProxyError::Loop(addr))
                 } else {
-                    direct(&ctx, &pod, downstream, addr).await
+                    direct(&ctx, &pod, &mut downstream, addr).await
                 }
             }
             Resolved::Hbone { addr, workload, .. } => {
                 let headers = headers(src.ip(), src_w.as_deref());
                 hbone(
-                    &ctx, &pod, downstream, src, &src_id, &workload, addr, headers,
+                    &ctx,
+                    &pod,
+                    &mut downstream,
+                    src,
+                    &src_id,
+                    &workload,
+                    addr,
+                    headers,
                 )
                 .await
             }
         };
+        // A failure before the first byte closes the app's connection with
+        // a reset, so it learns at once that its destination could not be
+        // reached (as a direct connect would have told it) — after the
+        // outcome is recorded (access log, metrics).
+        let refused =
+            matches!(&outcome, Err(e) if !matches!(e, ProxyError::Copy(_) | ProxyError::Drained));
+        if refused {
+            let _ = socket2::SockRef::from(&downstream).set_linger(Some(std::time::Duration::ZERO));
+        }
         finish(result, outcome);
+        drop(downstream);
     }
     .instrument(span)
     .await;
@@ -138,7 +156,7 @@ fn is_loop(addr: SocketAddr, listener: Option<SocketAddr>, ctx: &ProxyContext) -
 async fn direct(
     ctx: &ProxyContext,
     pod: &PodContext,
-    downstream: TcpStream,
+    downstream: &mut TcpStream,
     addr: SocketAddr,
 ) -> Result<(u64, u64), ProxyError> {
     let upstream = pod.connect(ctx, addr, None).await?;
@@ -149,7 +167,7 @@ async fn direct(
 async fn hbone(
     ctx: &ProxyContext,
     pod: &PodContext,
-    downstream: TcpStream,
+    downstream: &mut TcpStream,
     src: SocketAddr,
     src_id: &crate::identity::Identity,
     dst_w: &Workload,

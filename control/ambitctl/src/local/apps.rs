@@ -85,6 +85,7 @@ impl Builder {
             .nodes
             .iter()
             .flat_map(|n| super::status::agent_table(&n.agent_dir.join("pods.json")))
+            .map(|(pod, (enrolled, _served))| (pod, enrolled))
             .collect();
         for node in self.state.nodes.clone() {
             let mut wanted: Vec<String> = self

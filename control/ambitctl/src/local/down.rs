@@ -1,5 +1,8 @@
-//! `local down`: stop every process of the cluster, delete every netns
-//! named `<name>-*`, remove the state dir. Works from the state file when
+//! `local down`: stop every process of the cluster, then every process
+//! still living in one of its network namespaces (what `local exec … &`
+//! started in a pod: deleting a pod kills its processes), and wait until
+//! they are gone (bounded); delete every netns named `<name>-*`, remove the
+//! state dir. Works from the state file when
 //! there is one and from `/proc` and `ip netns` when there is not (a crash,
 //! a half-finished `up`); running it again finds nothing and succeeds.
 
@@ -10,6 +13,11 @@ use serde::Serialize;
 
 use super::state::{STATE_FILE, State};
 use super::{LocalError, check_name, netns, process};
+
+/// How long processes found inside a pod's netns get after SIGTERM.
+const IN_POD_GRACE: Duration = Duration::from_secs(2);
+/// How long `down` waits for killed processes to be gone.
+const GONE_BOUND: Duration = Duration::from_secs(5);
 
 /// What `local down` removes.
 #[derive(Debug, Clone)]
@@ -145,10 +153,33 @@ pub fn down(opts: &DownOptions) -> Result<DownReport, LocalError> {
             names.push(n);
         }
     }
+    let mut errors = Vec::new();
+
+    // Whatever still runs inside them (a `local exec … &`) goes too, and is
+    // waited for: a deleted netns file does not end its processes.
+    let ids: Vec<(u64, u64, String)> = names
+        .iter()
+        .filter_map(|n| {
+            use std::os::unix::fs::MetadataExt;
+            let meta = std::fs::metadata(netns::path(n)).ok()?;
+            Some((meta.dev(), meta.ino(), n.clone()))
+        })
+        .collect();
+    let inside = process::in_netns(&ids);
+    if !inside.is_empty() {
+        let pids: Vec<u32> = inside.iter().map(|(p, _)| *p).collect();
+        let (killed, alive) = process::kill_each(&pids, opts.grace.min(IN_POD_GRACE), GONE_BOUND);
+        report.killed.extend(killed);
+        report.stopped.extend(inside.into_iter().map(|(_, s)| s));
+        if !alive.is_empty() {
+            errors.push(format!(
+                "processes {alive:?} in the cluster's namespaces survived SIGKILL for {GONE_BOUND:?}"
+            ));
+        }
+    }
     // Deleted in reverse: keep the lan first so it goes last.
     let lan = format!("{prefix}lan");
     names.sort_by_key(|n| *n != lan);
-    let mut errors = Vec::new();
     for n in names.iter().rev() {
         if !netns::exists(n) {
             continue;

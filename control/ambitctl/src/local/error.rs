@@ -116,6 +116,16 @@ pub enum LocalError {
         why: String,
     },
 
+    #[error(
+        "no running {role} process{} in local cluster {name}; `ambitctl local status` lists them",
+        node.as_deref().map(|n| format!(" for {n}")).unwrap_or_default()
+    )]
+    NoSuchProcess {
+        name: String,
+        role: &'static str,
+        node: Option<String>,
+    },
+
     #[error("no pod {pod} in local cluster {name}; pods are: {known}")]
     NoSuchPod {
         name: String,

@@ -33,6 +33,7 @@ mod apps;
 pub mod cni;
 mod down;
 mod error;
+mod faults;
 mod netns;
 pub mod plan;
 mod pods;

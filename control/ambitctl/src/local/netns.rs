@@ -19,6 +19,11 @@ use super::plan::NodePlan;
 /// Where `ip netns` keeps named namespaces.
 pub const NETNS_DIR: &str = "/var/run/netns";
 
+/// The file of named namespace `name`.
+pub fn path(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(NETNS_DIR).join(name)
+}
+
 /// Serialises `ip netns add/del` within the process: the first `add` sets
 /// up the shared mount of [`NETNS_DIR`], which races with itself.
 static NETNS_LOCK: Mutex<()> = Mutex::new(());

@@ -7,7 +7,8 @@ use super::state::Role;
 use super::{LocalCluster, LocalError, netns, process};
 
 impl LocalCluster {
-    /// Deletes pod `namespace/name` as a runtime does: stops its app, runs
+    /// Deletes pod `namespace/name` as a runtime does: stops its app and
+    /// every other process in its netns (a `local exec … &`), runs
     /// CNI DEL through its node's chain (reverse order, the cached ADD
     /// result as `prevResult`), removes its netns and forgets it. The YAML
     /// is not changed: remove the pod there too if the mesh should forget it.
@@ -18,6 +19,20 @@ impl LocalCluster {
             && process::belongs_to(app.pid, &self.state.state_dir)
         {
             process::stop_all(&[app.pid], Duration::from_secs(5));
+        }
+        if let Ok(meta) = std::fs::metadata(netns::path(&pod.netns)) {
+            use std::os::unix::fs::MetadataExt;
+            let inside = process::in_netns(&[(meta.dev(), meta.ino(), pod.netns.clone())]);
+            let pids: Vec<u32> = inside.iter().map(|(p, _)| *p).collect();
+            let (_, alive) =
+                process::kill_each(&pids, Duration::from_secs(2), Duration::from_secs(5));
+            if !alive.is_empty() {
+                return Err(LocalError::Command {
+                    cmd: format!("deleting pod {key}"),
+                    status: "processes survived SIGKILL".into(),
+                    stderr: format!("{alive:?} still run in netns {}", pod.netns),
+                });
+            }
         }
         let node = self
             .state

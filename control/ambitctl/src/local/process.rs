@@ -140,6 +140,60 @@ pub fn stop_all(pids: &[u32], grace: Duration) -> Vec<u32> {
     stubborn
 }
 
+/// Every live process whose network namespace is one of `netns` (the
+/// (device, inode) of each namespace's file, with its name), as
+/// `(pid, "pid comm (in netns NAME)")`: what a pod's `ambitctl local exec
+/// … &` left running. Compares `/proc/PID/ns/net` with the netns files.
+pub fn in_netns(netns: &[(u64, u64, String)]) -> Vec<(u32, String)> {
+    use std::os::unix::fs::MetadataExt;
+    let me = std::process::id();
+    let mut out: Vec<(u32, String)> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| *pid != me && is_alive(*pid))
+        .filter_map(|pid| {
+            let meta = std::fs::metadata(format!("/proc/{pid}/ns/net")).ok()?;
+            let (_, _, name) = netns
+                .iter()
+                .find(|(dev, ino, _)| *dev == meta.dev() && *ino == meta.ino())?;
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            Some((pid, format!("{pid} {} (in netns {name})", comm.trim())))
+        })
+        .collect();
+    out.sort_unstable();
+    out
+}
+
+/// SIGTERM to each pid (not its group), up to `grace` for them to exit,
+/// then SIGKILL, then up to `bound` for them to be gone. Returns the pids
+/// that needed SIGKILL and those still alive at the end.
+pub fn kill_each(pids: &[u32], grace: Duration, bound: Duration) -> (Vec<u32>, Vec<u32>) {
+    let send = |pid: u32, sig: Signal| {
+        if let Ok(raw) = i32::try_from(pid) {
+            let _ = kill(Pid::from_raw(raw), sig);
+        }
+    };
+    for pid in pids {
+        send(*pid, Signal::SIGTERM);
+    }
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline && pids.iter().any(|p| is_alive(*p)) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let stubborn: Vec<u32> = pids.iter().copied().filter(|p| is_alive(*p)).collect();
+    for pid in &stubborn {
+        send(*pid, Signal::SIGKILL);
+    }
+    let deadline = Instant::now() + bound;
+    while Instant::now() < deadline && stubborn.iter().any(|p| is_alive(*p)) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let alive = stubborn.iter().copied().filter(|p| is_alive(*p)).collect();
+    (stubborn, alive)
+}
+
 /// Ports handed out by [`free_port`] in this process, never handed out again.
 static HANDED_OUT: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
 

@@ -45,6 +45,9 @@ fn proc(p: &ProcStatus) -> String {
 
 fn mesh(p: &PodStatus) -> String {
     match (p.enrolled, p.ambient) {
+        (Some(true), _) if p.unserved => {
+            "ENROLLED, NOT SERVED (redirected, ztunnel has no listeners; agent retrying)".into()
+        }
         (Some(true), _) => "enrolled".into(),
         (_, true) => "NOT ENROLLED (labels say ambient)".into(),
         (Some(false), false) | (None, false) => "no".into(),

@@ -78,6 +78,9 @@ pub struct PodStatus {
     pub ambient: bool,
     /// What its node agent says (`None`: not in the agent's table).
     pub enrolled: Option<bool>,
+    /// Enrolled and redirected, but its ztunnel does not serve it (no
+    /// listeners; the agent is retrying the handover).
+    pub unserved: bool,
     /// `ambit-demo` arguments.
     pub app: Option<String>,
     pub app_running: Option<bool>,
@@ -154,7 +157,7 @@ pub fn collect(state: &State) -> Status {
     };
     let mut nodes = Vec::new();
     let mut connections = Vec::new();
-    let mut enrolled: BTreeMap<String, bool> = BTreeMap::new();
+    let mut enrolled: BTreeMap<String, (bool, bool)> = BTreeMap::new();
     for n in &state.nodes {
         let ztunnel = ProcStatus::of(state, Role::Ztunnel, Some(&n.name));
         if let Some(log) = &ztunnel.log {
@@ -193,7 +196,8 @@ pub fn collect(state: &State) -> Status {
                 ip: p.ip,
                 netns: p.netns.clone(),
                 ambient: p.ambient,
-                enrolled: enrolled.get(&key).copied(),
+                enrolled: enrolled.get(&key).map(|(e, _)| *e),
+                unserved: enrolled.get(&key).is_some_and(|(e, served)| *e && !*served),
                 app: p.app.as_ref().map(|a| a.join(" ")),
                 app_running: p
                     .app
@@ -215,9 +219,9 @@ pub fn collect(state: &State) -> Status {
     }
 }
 
-/// `namespace/name → enrolled` from a node agent's `pods.json` (a map
-/// uid → `{pod: {name, namespace, uid}, enrolled, ...}`).
-pub fn agent_table(path: &std::path::Path) -> BTreeMap<String, bool> {
+/// `namespace/name → (enrolled, served)` from a node agent's `pods.json` (a
+/// map uid → `{pod: {name, namespace, uid}, enrolled, served, ...}`).
+pub fn agent_table(path: &std::path::Path) -> BTreeMap<String, (bool, bool)> {
     let Ok(bytes) = std::fs::read(path) else {
         return BTreeMap::new();
     };
@@ -230,7 +234,10 @@ pub fn agent_table(path: &std::path::Path) -> BTreeMap<String, bool> {
             let name = rec["pod"]["name"].as_str()?;
             Some((
                 format!("{ns}/{name}"),
-                rec["enrolled"].as_bool().unwrap_or(false),
+                (
+                    rec["enrolled"].as_bool().unwrap_or(false),
+                    rec["served"].as_bool().unwrap_or(true),
+                ),
             ))
         })
         .collect()
