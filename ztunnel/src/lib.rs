@@ -23,6 +23,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod agent;
 pub mod app;
 pub mod config;
 pub mod control_channel;
