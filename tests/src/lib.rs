@@ -2,7 +2,9 @@
 //! fixture directories, in-process control planes, tiny HTTP client.
 #![forbid(unsafe_code)]
 
+pub mod agentbed;
 pub mod enrollbed;
+pub mod envoy;
 pub mod meshbed;
 pub mod netbed;
 

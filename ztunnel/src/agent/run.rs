@@ -191,8 +191,10 @@ async fn serve(
     );
 
     let exit = tokio::select! {
-        serving = cert_rx.wait_for(|s| matches!(s, CertStatus::Serving(_))) => {
-            if serving.is_err() {
+        // Only a bool leaves this arm: a `watch::Ref` kept across the rest
+        // of the run would block the follower's next status update.
+        serving = async { cert_rx.wait_for(|s| matches!(s, CertStatus::Serving(_))).await.is_ok() } => {
+            if !serving {
                 error!("the certificate follower stopped before the first certificate");
                 Ok(AgentExit::EnvoyExited { code: 1, status: "never started".into() })
             } else {

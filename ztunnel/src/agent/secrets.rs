@@ -177,12 +177,19 @@ pub(crate) async fn follow(
     status: watch::Sender<CertStatus>,
 ) {
     loop {
-        let (usable, reason) = {
+        // The newest certificate is served even once expired (Envoy keeps
+        // what it has until a renewal arrives; removing it would only tear
+        // down its TLS contexts); readiness reports the expiry.
+        let (latest, usable, reason) = {
             let state = cert.borrow_and_update();
-            (state.usable().cloned(), state.unavailable_reason())
+            (
+                state.cert.clone(),
+                state.usable().cloned(),
+                state.unavailable_reason(),
+            )
         };
         let roots = bundle.borrow_and_update().clone();
-        let next = SecretSet::build(usable.as_deref(), &roots);
+        let next = SecretSet::build(latest.as_deref(), &roots);
         secrets.send_if_modified(|current| {
             if **current == next {
                 return false;
