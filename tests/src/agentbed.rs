@@ -130,14 +130,19 @@ pub struct SeenRequest {
     pub raw: Vec<u8>,
 }
 
-/// A CA front: records every request, holds it until opened, forwards it
-/// to the control plane's CA (plaintext port) with the caller's token.
+/// A CA front: records every request, refuses the first `refuse` of them
+/// (UNAVAILABLE), holds the others until opened, and forwards them to the
+/// control plane's CA (plaintext port) with the caller's token.
 #[derive(Clone)]
 pub struct RecordingCa {
     upstream: IstioCertificateServiceClient<Channel>,
     seen: Arc<Mutex<Vec<SeenRequest>>>,
     open: watch::Receiver<bool>,
+    refuse: usize,
 }
+
+/// What the front answers to refused requests.
+pub const REFUSAL: &str = "test CA front refuses this request";
 
 /// The running front.
 pub struct RecordingCaHandle {
@@ -147,8 +152,9 @@ pub struct RecordingCaHandle {
 }
 
 impl RecordingCa {
-    /// Starts a front of `cp`'s CA, closed (requests wait) or open.
-    pub async fn start(cp: &ControlPlane, open: bool) -> Result<RecordingCaHandle> {
+    /// Starts a front of `cp`'s CA, closed (requests wait) or open,
+    /// refusing the first `refuse` requests.
+    pub async fn start(cp: &ControlPlane, open: bool, refuse: usize) -> Result<RecordingCaHandle> {
         let upstream = Channel::from_shared(format!("http://{}", cp.xds_addr()))?.connect_lazy();
         let (open_tx, open_rx) = watch::channel(open);
         let seen = Arc::new(Mutex::new(Vec::new()));
@@ -156,6 +162,7 @@ impl RecordingCa {
             upstream: IstioCertificateServiceClient::new(upstream),
             seen: seen.clone(),
             open: open_rx,
+            refuse,
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -196,8 +203,15 @@ impl IstioCertificateService for RecordingCa {
                 .unwrap_or_default(),
             raw: body.encode_to_vec(),
         };
-        if let Ok(mut s) = self.seen.lock() {
-            s.push(seen);
+        let n = match self.seen.lock() {
+            Ok(mut s) => {
+                s.push(seen);
+                s.len()
+            }
+            Err(_) => 0,
+        };
+        if n <= self.refuse {
+            return Err(tonic::Status::unavailable(REFUSAL));
         }
         let mut open = self.open.clone();
         tokio::time::timeout(Duration::from_secs(30), open.wait_for(|o| *o))

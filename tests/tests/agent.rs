@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use ambit_tests::agentbed::{Agent, AgentOptions, NODE_ID, Plane, RecordingCa, SPIFFE_ID};
+use ambit_tests::agentbed::{Agent, AgentOptions, NODE_ID, Plane, REFUSAL, RecordingCa, SPIFFE_ID};
 use ambit_tests::envoy::envoy_binary;
 use ambit_tests::{eventually, get, http};
 use ambit_ztunnel::agent::bootstrap::{self, EnvoyPorts};
@@ -115,8 +115,9 @@ async fn wait_ready(agent: &Agent) -> Result<()> {
 async fn envoy_gets_its_certificate_over_sds_and_authenticates_xds_with_it() {
     let envoy = envoy();
     let plane = Plane::start(Duration::from_secs(24 * 3600)).await.unwrap();
-    // The CA front holds the first request, so readiness is seen at 503.
-    let ca = RecordingCa::start(&plane.cp, false).await.unwrap();
+    // The CA front refuses the first request and holds the next, so the
+    // retry and readiness at 503 are seen.
+    let ca = RecordingCa::start(&plane.cp, false, 1).await.unwrap();
     let opts = AgentOptions {
         xds_address: format!("https://{}", plane.cp.xds_tls_addr()),
         ca_address: Some(ca.url.clone()),
@@ -125,13 +126,21 @@ async fn envoy_gets_its_certificate_over_sds_and_authenticates_xds_with_it() {
     let plane_ref = &plane;
     let ca_ref = &ca;
     with_log(&mut agent, async |agent| {
-        // 503 while the certificate is on its way; Envoy not started yet.
+        // 503 while the certificate is on its way, naming the CA's refusal;
+        // the refused request is retried; Envoy is not started yet.
         let (status, body) = http(agent.addr("status"), "GET", "/healthz/ready").await?;
         if status != 503 || !body.contains("certificate") {
             bail!("expected 503 naming the certificate, got {status}: {body}");
         }
-        eventually(LIMIT, "the CA receives the CSR", || async {
-            (!ca_ref.seen().is_empty()).then_some(())
+        eventually(LIMIT, "readiness names the CA's refusal", || async {
+            let (status, body) = http(agent.addr("status"), "GET", "/healthz/ready")
+                .await
+                .ok()?;
+            (status == 503 && body.contains(REFUSAL)).then_some(())
+        })
+        .await?;
+        eventually(LIMIT, "the CA receives the retried CSR", || async {
+            (ca_ref.seen().len() >= 2).then_some(())
         })
         .await?;
         if !agent.children().is_empty() {
@@ -212,6 +221,7 @@ async fn envoy_gets_its_certificate_over_sds_and_authenticates_xds_with_it() {
         let merged = get(agent.addr("metrics"), "/stats/prometheus").await?;
         for want in [
             "ztunnel_ca_requests_total{result=\"ok\"} 1",
+            "ztunnel_ca_requests_total{result=\"error\"} 1",
             "ztunnel_certificate_expiry_seconds",
             "envoy_server_live",
         ] {
