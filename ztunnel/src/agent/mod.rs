@@ -66,7 +66,9 @@ pub enum AgentError {
         source: std::io::Error,
     },
     /// A file in the state directory could not be written.
-    #[error("cannot write {path}: {source}")]
+    #[error(
+        "cannot write {path}: {source}; check that --state-dir / STATE_DIR is writable and not full"
+    )]
     Write {
         /// The file.
         path: PathBuf,
