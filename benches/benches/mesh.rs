@@ -82,6 +82,7 @@ fn pod(c: &LocalCluster, key: &str, node: usize) -> PodNet {
         name: p.name.clone(),
         netns: p.netns.clone(),
         ip: p.ip,
+        ip6: None,
         node,
     }
 }

@@ -1,19 +1,33 @@
 //! In-pod redirection (SPEC §4): the iptables rules and policy routing the
-//! node agent installs inside each enrolled pod's network namespace.
+//! node agent installs inside each enrolled pod's network namespace, for
+//! IPv4 and IPv6 alike (`family.rs` holds what differs per family).
 //!
-//! Commands (`ip`, `iptables-save`, `iptables-restore`) run as children of a
-//! short-lived thread that has entered the pod's namespace
-//! ([`PodNetns::run_in`]), so any namespace path works (`/var/run/netns/X`,
-//! `/proc/PID/ns/net`) and the agent's own threads never move.
+//! Commands (`ip`, `iptables-save`/`-restore`, `ip6tables-save`/`-restore`)
+//! run as children of a short-lived thread that has entered the pod's
+//! namespace ([`PodNetns::run_in`]), so any namespace path works
+//! (`/var/run/netns/X`, `/proc/PID/ns/net`) and the agent's own threads
+//! never move.
 //!
 //! ```text
 //! nat    PREROUTING -> AMBIT_PRERT       probe source, :15008, lo: RETURN; TCP -> REDIRECT :15006
-//! nat    OUTPUT     -> AMBIT_OUTPUT      marked 0x539, 127/8, -o lo: RETURN; TCP -> REDIRECT :15001
+//! nat    OUTPUT     -> AMBIT_OUTPUT      marked 0x539, loopback, -o lo: RETURN; TCP -> REDIRECT :15001
 //! mangle PREROUTING -> AMBIT_MANGLE_PRERT  marked 0x539 (ztunnel's own sockets, looped over lo)
 //!                                          -> connmark 0x111
 //! mangle OUTPUT     -> AMBIT_MANGLE_OUT    marked 0x539: RETURN; connmark 0x111 -> restore mark
-//! ip rule fwmark 0x111/0xfff pref 32764 lookup 133;  table 133: local 0.0.0.0/0 dev lo
+//! ip -4 rule fwmark 0x111/0xfff pref 32764 lookup 133;  table 133: local 0.0.0.0/0 dev lo
+//! ip -6 rule fwmark 0x111/0xfff pref 32764 lookup 133;  table 133: local ::/0 dev lo
 //! ```
+//!
+//! The same chains exist in `iptables` and `ip6tables`; only the loopback
+//! range (`127.0.0.0/8`, `::1/128`) and the probe source
+//! ([`PROBE_SOURCE`], [`PROBE_SOURCE_V6`]) differ. Both families are
+//! installed for every enrolled pod, also one with only IPv4 addresses
+//! (harmless: no IPv6 traffic matches), so a pod that gains an address of
+//! the other family, or a dual-stack pod, is never partly outside the mesh.
+//! A pod is never half-captured: when one family fails to install, what was
+//! installed is removed again and the install fails ([`install`]);
+//! [`is_installed`] is true only when both families are complete. Only a
+//! kernel without IPv6 at all (no `/proc/sys/net/ipv6`) gets IPv4 alone.
 //!
 //! The connmark is set in mangle PREROUTING, which only ztunnel's
 //! connections *into* the pod reach with their mark (they loop over `lo`;
@@ -22,11 +36,15 @@
 //! ztunnel's local socket, while ztunnel's outbound connections from the pod
 //! never get a connmark and are never rerouted.
 
+mod family;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use ambit_inpod::PodNetns;
+
+pub use family::{Family, Programs};
 
 /// Why the redirection could not be read or changed.
 #[derive(Debug, thiserror::Error)]
@@ -46,6 +64,21 @@ pub enum RedirectError {
         netns: String,
         status: String,
         stderr: String,
+    },
+    /// One family could not be installed; the whole redirection was rolled
+    /// back so the pod is not half-captured.
+    #[error(
+        "installing the {family} redirection in {netns} failed, so the redirection of both \
+         families was removed again (a pod is never half-captured) and the pod is not enrolled: \
+         {source}{rollback}"
+    )]
+    Install {
+        family: Family,
+        netns: String,
+        #[source]
+        source: Box<RedirectError>,
+        /// Empty when the rollback worked; otherwise what it left behind.
+        rollback: String,
     },
 }
 
@@ -78,12 +111,15 @@ pub use ambit_inpod::ZTUNNEL_MARK;
 pub const DELIVERY_MARK: u32 = 0x111;
 /// Mask of the mark bits Ambit uses.
 pub const MARK_MASK: u32 = 0xfff;
-/// Policy-routing table with `local 0.0.0.0/0 dev lo`.
+/// Policy-routing table with `local 0.0.0.0/0 dev lo` (and `local ::/0 dev lo`).
 pub const ROUTE_TABLE: u32 = 133;
-/// Priority of the `fwmark 0x111/0xfff lookup 133` rule.
+/// Priority of the `fwmark 0x111/0xfff lookup 133` rule (both families).
 pub const RULE_PRIORITY: u32 = 32764;
 /// Source address of kubelet probes after the node agent's SNAT; never redirected.
 pub const PROBE_SOURCE: &str = "169.254.7.127";
+/// The IPv6 probe source, never redirected: the address Istio's CNI agent
+/// uses for the same purpose (SNAT of kubelet probes), kept for interop.
+pub const PROBE_SOURCE_V6: &str = "fd16:9254:7127:1337:ffff:ffff:ffff:ffff";
 
 /// ztunnel's in-pod listener ports the rules redirect to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,67 +174,14 @@ const CHAINS: [Chain; 4] = [
 
 const TABLES: [&str; 2] = ["mangle", "nat"];
 
-/// The rules inside Ambit's chains as `(table, line)`, spelled exactly as
-/// `iptables-save` prints them (so a save can be checked line by line).
+/// The IPv4 rules inside Ambit's chains as `(table, line)`, spelled exactly
+/// as `iptables-save` prints them; [`Family::rule_lines`] for either family.
 pub fn rule_lines(ports: &RedirectPorts) -> Vec<(&'static str, String)> {
-    let mark = format!("0x{ZTUNNEL_MARK:x}/0x{MARK_MASK:x}");
-    let conn = format!("0x{DELIVERY_MARK:x}/0x{MARK_MASK:x}");
-    let mask = format!("0x{MARK_MASK:x}");
-    vec![
-        (
-            "mangle",
-            format!("-A AMBIT_MANGLE_PRERT -m mark --mark {mark} -j CONNMARK --set-xmark {conn}"),
-        ),
-        (
-            "mangle",
-            format!("-A AMBIT_MANGLE_OUT -m mark --mark {mark} -j RETURN"),
-        ),
-        (
-            "mangle",
-            format!(
-                "-A AMBIT_MANGLE_OUT -m connmark --mark {conn} -j CONNMARK --restore-mark \
-                 --nfmask {mask} --ctmask {mask}"
-            ),
-        ),
-        (
-            "nat",
-            format!("-A AMBIT_PRERT -s {PROBE_SOURCE}/32 -p tcp -j RETURN"),
-        ),
-        (
-            "nat",
-            format!(
-                "-A AMBIT_PRERT -p tcp -m tcp --dport {} -j RETURN",
-                ports.inbound_hbone
-            ),
-        ),
-        ("nat", "-A AMBIT_PRERT -i lo -j RETURN".to_string()),
-        (
-            "nat",
-            format!(
-                "-A AMBIT_PRERT -p tcp -j REDIRECT --to-ports {}",
-                ports.inbound_plaintext
-            ),
-        ),
-        (
-            "nat",
-            format!("-A AMBIT_OUTPUT -p tcp -m mark --mark {mark} -j RETURN"),
-        ),
-        (
-            "nat",
-            "-A AMBIT_OUTPUT -d 127.0.0.0/8 -j RETURN".to_string(),
-        ),
-        ("nat", "-A AMBIT_OUTPUT -o lo -j RETURN".to_string()),
-        (
-            "nat",
-            format!(
-                "-A AMBIT_OUTPUT -p tcp -j REDIRECT --to-ports {}",
-                ports.outbound
-            ),
-        ),
-    ]
+    Family::V4.rule_lines(ports)
 }
 
-/// The jumps from the builtin chains into Ambit's chains, as `(table, line)`.
+/// The jumps from the builtin chains into Ambit's chains, as `(table, line)`
+/// (the same in both families).
 pub fn jump_lines() -> Vec<(&'static str, String)> {
     CHAINS
         .iter()
@@ -206,121 +189,94 @@ pub fn jump_lines() -> Vec<(&'static str, String)> {
         .collect()
 }
 
-/// Installs (or repairs) the redirection in network namespace `netns`
-/// (its nsfs path, e.g. `/var/run/netns/NAME`). Idempotent: re-running replaces the
-/// content of Ambit's chains in one `iptables-restore` transaction (no window
-/// without redirection) and leaves exactly one jump from each builtin chain.
-pub fn install(netns: &Path, ports: &RedirectPorts) -> Result<()> {
-    let netns = &Ns::open(netns)?;
-    // Routing first: it only matters once the mangle rules mark replies.
-    if !rule_present(netns)? {
-        ip_rule(netns, "add")?;
+/// The families installed in every pod: both, unless the kernel has no IPv6.
+pub fn families() -> Vec<Family> {
+    if Path::new("/proc/sys/net/ipv6").exists() {
+        vec![Family::V4, Family::V6]
+    } else {
+        vec![Family::V4]
     }
-    ip(
-        netns,
-        &[
-            "route",
-            "replace",
-            "local",
-            "0.0.0.0/0",
-            "dev",
-            "lo",
-            "table",
-            &ROUTE_TABLE.to_string(),
-        ],
-    )?;
-
-    let saved = iptables_save(netns)?;
-    let rules = rule_lines(ports);
-    let mut script = String::new();
-    for table in TABLES {
-        script.push_str(&format!("*{table}\n"));
-        // With --noflush, declaring an existing user chain flushes it.
-        for c in CHAINS.iter().filter(|c| c.table == table) {
-            script.push_str(&format!(":{} - [0:0]\n", c.name));
-        }
-        for (_, line) in rules.iter().filter(|(t, _)| *t == table) {
-            script.push_str(line);
-            script.push('\n');
-        }
-        for c in CHAINS.iter().filter(|c| c.table == table) {
-            let jump = format!("-A {} -j {}", c.builtin, c.name);
-            match count_in_table(&saved, table, &jump) {
-                0 => script.push_str(&format!("{jump}\n")),
-                n => {
-                    for _ in 1..n {
-                        script.push_str(&format!("-D {} -j {}\n", c.builtin, c.name));
-                    }
-                }
-            }
-        }
-        script.push_str("COMMIT\n");
-    }
-    iptables_restore(netns, &script)
 }
 
-/// Removes every trace of the redirection from `netns`: the jumps, Ambit's
-/// chains, the ip rule and the route. Succeeds when nothing is installed.
-pub fn remove(netns: &Path) -> Result<()> {
-    let netns = &Ns::open(netns)?;
-    let saved = iptables_save(netns)?;
-    let mut script = String::new();
-    for table in TABLES {
-        let mut body = String::new();
-        for c in CHAINS.iter().filter(|c| c.table == table) {
-            let jump = format!("-A {} -j {}", c.builtin, c.name);
-            for _ in 0..count_in_table(&saved, table, &jump) {
-                body.push_str(&format!("-D {} -j {}\n", c.builtin, c.name));
-            }
-        }
-        for c in CHAINS.iter().filter(|c| c.table == table) {
-            if chain_exists(&saved, table, c.name) {
-                body.push_str(&format!("-F {0}\n-X {0}\n", c.name));
-            }
-        }
-        if !body.is_empty() {
-            script.push_str(&format!("*{table}\n{body}COMMIT\n"));
-        }
-    }
-    if !script.is_empty() {
-        iptables_restore(netns, &script)?;
-    }
+/// Installs (or repairs) the redirection of both families in network
+/// namespace `netns` (its nsfs path, e.g. `/var/run/netns/NAME`).
+/// Idempotent: re-running replaces the content of Ambit's chains in one
+/// `iptables-restore` transaction per family (no window without
+/// redirection) and leaves exactly one jump from each builtin chain. If a
+/// family fails, everything is removed again and the error says so.
+pub fn install(netns: &Path, ports: &RedirectPorts) -> Result<()> {
+    install_with(netns, ports, &Programs::default())
+}
 
-    // `ip rule add` refuses duplicates, but be thorough if someone added more.
-    for _ in 0..16 {
-        if !rule_present(netns)? {
-            break;
-        }
-        ip_rule(netns, "del")?;
-    }
-    if route_present(netns)? {
-        ip(
-            netns,
-            &[
-                "route",
-                "del",
-                "local",
-                "0.0.0.0/0",
-                "dev",
-                "lo",
-                "table",
-                &ROUTE_TABLE.to_string(),
-            ],
-        )?;
+/// [`install`] running `programs` (e.g. the `-legacy` iptables variants).
+pub fn install_with(netns: &Path, ports: &RedirectPorts, programs: &Programs) -> Result<()> {
+    let ns = &Ns::open(netns)?;
+    let families = families();
+    for (i, &f) in families.iter().enumerate() {
+        let Err(e) = family::install(ns, f, ports, programs) else {
+            continue;
+        };
+        // Undo this family's partial work and every family installed before.
+        let rollback: Vec<String> = families[..=i]
+            .iter()
+            .filter_map(|&g| family::remove(ns, g, programs).err())
+            .map(|e| e.to_string())
+            .collect();
+        let rollback = if rollback.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; removing it again also failed, so the pod may be half-captured: {} \
+                 (run the node agent's uninstall or delete the pod)",
+                rollback.join("; ")
+            )
+        };
+        return Err(RedirectError::Install {
+            family: f,
+            netns: ns.shown.clone(),
+            source: Box::new(e),
+            rollback,
+        });
     }
     Ok(())
 }
 
-/// Whether the redirection is fully in place in `netns`: every jump and
-/// chain, the ip rule and the route. A partial install reads as `false`.
+/// Removes every trace of the redirection of both families from `netns`:
+/// the jumps, Ambit's chains, the ip rules and the routes. Succeeds when
+/// nothing is installed. A family that fails does not stop the other from
+/// being removed; the first error is returned.
+pub fn remove(netns: &Path) -> Result<()> {
+    remove_with(netns, &Programs::default())
+}
+
+/// [`remove`] running `programs`.
+pub fn remove_with(netns: &Path, programs: &Programs) -> Result<()> {
+    let ns = &Ns::open(netns)?;
+    let mut first = None;
+    for f in families() {
+        if let Err(e) = family::remove(ns, f, programs) {
+            first.get_or_insert(e);
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
+/// Whether the redirection is fully in place in `netns` for both families:
+/// every jump and chain, the ip rules and the routes. A partial install
+/// (of one family, or one family only) reads as `false`.
 pub fn is_installed(netns: &Path) -> Result<bool> {
-    let netns = &Ns::open(netns)?;
-    let saved = iptables_save(netns)?;
-    let chains = CHAINS.iter().all(|c| {
-        chain_exists(&saved, c.table, c.name)
-            && count_in_table(&saved, c.table, &format!("-A {} -j {}", c.builtin, c.name)) > 0
-    });
-    Ok(chains && rule_present(netns)? && route_present(netns)?)
+    is_installed_with(netns, &Programs::default())
+}
+
+/// [`is_installed`] running `programs`.
+pub fn is_installed_with(netns: &Path, programs: &Programs) -> Result<bool> {
+    let ns = &Ns::open(netns)?;
+    for f in families() {
+        if !family::is_installed(ns, f, programs)? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 /// The lines of one table's section of an `iptables-save` dump.
@@ -341,49 +297,6 @@ fn count_in_table(saved: &str, table: &str, line: &str) -> usize {
 fn chain_exists(saved: &str, table: &str, chain: &str) -> bool {
     let decl = format!(":{chain} ");
     table_lines(saved, table).any(|l| l.starts_with(&decl))
-}
-
-fn rule_present(netns: &Ns) -> Result<bool> {
-    let rules = ip(netns, &["rule", "show"])?;
-    let want = format!("fwmark 0x{DELIVERY_MARK:x}/0x{MARK_MASK:x} lookup {ROUTE_TABLE}");
-    let pref = format!("{RULE_PRIORITY}:");
-    Ok(rules
-        .lines()
-        .any(|l| l.starts_with(&pref) && l.contains(&want)))
-}
-
-fn route_present(netns: &Ns) -> Result<bool> {
-    let table = ROUTE_TABLE.to_string();
-    match run(netns, "ip", &["route", "show", "table", &table], None) {
-        Ok(routes) => Ok(routes
-            .lines()
-            .any(|l| l.starts_with("local default dev lo"))),
-        // A table that never had a route does not exist yet.
-        Err(RedirectError::Failed { stderr, .. }) if stderr.contains("does not exist") => Ok(false),
-        Err(e) => Err(e),
-    }
-}
-
-/// `ip rule add|del fwmark 0x111/0xfff pref 32764 lookup 133`.
-fn ip_rule(netns: &Ns, op: &str) -> Result<String> {
-    let mark = format!("0x{DELIVERY_MARK:x}/0x{MARK_MASK:x}");
-    let (pref, table) = (RULE_PRIORITY.to_string(), ROUTE_TABLE.to_string());
-    ip(
-        netns,
-        &["rule", op, "fwmark", &mark, "pref", &pref, "lookup", &table],
-    )
-}
-
-fn ip(netns: &Ns, args: &[&str]) -> Result<String> {
-    run(netns, "ip", args, None)
-}
-
-fn iptables_save(netns: &Ns) -> Result<String> {
-    run(netns, "iptables-save", &[], None)
-}
-
-fn iptables_restore(netns: &Ns, script: &str) -> Result<()> {
-    run(netns, "iptables-restore", &["--noflush"], Some(script)).map(|_| ())
 }
 
 /// Runs `program args` inside the namespace, feeding `stdin`; returns

@@ -316,6 +316,7 @@ impl EnrollBed {
                 name: name.to_string(),
                 netns,
                 ip: Ipv4Addr::UNSPECIFIED,
+                ip6: None,
                 node,
             },
             namespace: ns.to_string(),

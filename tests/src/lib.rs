@@ -5,6 +5,7 @@
 pub mod agentbed;
 pub mod enrollbed;
 pub mod envoy;
+pub mod h2raw;
 pub mod meshbed;
 pub mod netbed;
 
@@ -79,6 +80,11 @@ pub async fn http(addr: SocketAddr, method: &str, path: &str) -> Result<(u16, St
     tokio::time::timeout(Duration::from_secs(10), fut)
         .await
         .with_context(|| format!("{method} http://{addr}{path} timed out"))?
+}
+
+/// Decodes a chunked HTTP/1.1 body.
+pub fn dechunk_body(body: &str) -> Result<String> {
+    dechunk(body)
 }
 
 fn dechunk(mut body: &str) -> Result<String> {

@@ -5,6 +5,7 @@
 //!
 //! ```text
 //!  MeshBed::new(nodes, pods)      netns per node and pod, IPs assigned
+//!  (MeshBed::dual_stack: IPv6 too; each pod's YAML lists both addresses)
 //!  bed.start(extra_yaml).await    control plane + ztunnels + ZDS hand-over
 //!  bed.connect("client", addr)    a plain connection from inside a pod
 //! ```
@@ -14,7 +15,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -143,13 +144,23 @@ impl MeshBed {
     /// (access log included) go to the test's captured output, shown when
     /// a test fails; `RUST_LOG` overrides the default `info`.
     pub fn new(nodes: usize, specs: &[PodSpec]) -> Result<Self> {
+        Self::build(Cluster::new(nodes)?, specs)
+    }
+
+    /// [`MeshBed::new`] on a dual-stack cluster ([`Cluster::dual_stack`]):
+    /// every pod has an IPv4 and an IPv6 address, both in its workload.
+    pub fn dual_stack(nodes: usize, specs: &[PodSpec]) -> Result<Self> {
+        Self::build(Cluster::dual_stack(nodes)?, specs)
+    }
+
+    fn build(mut cluster: Cluster, specs: &[PodSpec]) -> Result<Self> {
+        let nodes = cluster.nodes();
         let filter = tracing_subscriber::EnvFilter::try_from_default_env()
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
         let _ = tracing_subscriber::fmt()
             .with_test_writer()
             .with_env_filter(filter)
             .try_init();
-        let mut cluster = Cluster::new(nodes)?;
         let mut pods = BTreeMap::new();
         for s in specs {
             if s.node >= nodes {
@@ -187,6 +198,26 @@ impl MeshBed {
         self.pod(name).ip
     }
 
+    /// A pod's IPv6 address (dual-stack beds only; panics otherwise).
+    pub fn ip6(&self, name: &str) -> Ipv6Addr {
+        match self.pod(name).ip6 {
+            Some(ip) => ip,
+            None => panic!("pod {name} has no IPv6 address (use MeshBed::dual_stack)"),
+        }
+    }
+
+    /// Removes pod `name` from the served config (as if it were deleted
+    /// from the cluster): its workload leaves xDS. Pair with
+    /// [`MeshBed::unenroll`] to also take it from its ztunnel.
+    pub fn remove_from_config(&mut self, name: &str) -> Result<()> {
+        let before = self.specs.len();
+        self.specs.retain(|s| s.name != name);
+        if self.specs.len() == before {
+            bail!("no pod {name} in the bed's config");
+        }
+        self.write_config("pods.yaml", &self.base_yaml())
+    }
+
     /// The YAML for namespaces and pods.
     fn base_yaml(&self) -> String {
         let mut ns: BTreeMap<&str, bool> = BTreeMap::new();
@@ -209,7 +240,7 @@ impl MeshBed {
                 y,
                 "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {}\n  namespace: {}\n  uid: {}\n  \
                  labels: {{app: {}, version: v1}}\nspec:\n  nodeName: {}\n  serviceAccountName: {}\n\
-                 status:\n  podIP: {}\n---\n",
+                 status:\n  podIP: {}\n",
                 s.name,
                 s.namespace,
                 pod_uid(s),
@@ -218,6 +249,14 @@ impl MeshBed {
                 s.service_account,
                 self.ip(&s.name)
             );
+            if let Some(ip6) = self.pod(&s.name).ip6 {
+                let _ = writeln!(
+                    y,
+                    "  podIPs: [{{ip: '{}'}}, {{ip: '{ip6}'}}]",
+                    self.ip(&s.name)
+                );
+            }
+            y.push_str("---\n");
         }
         y
     }
@@ -341,6 +380,53 @@ impl MeshBed {
         tokio::time::timeout(WAIT, netbed::connect(self.pod(from), dst))
             .await
             .context("connect timed out")?
+    }
+
+    /// Writes `msg` on a fresh connection from pod `from` to `dst` and
+    /// returns the echo (as long as `msg`); fails when none comes in time.
+    pub async fn echo_once(&self, from: &str, dst: SocketAddr, msg: &[u8]) -> Result<Vec<u8>> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = self.connect(from, dst).await?;
+        tokio::time::timeout(WAIT, async {
+            s.write_all(msg).await?;
+            let mut got = vec![0u8; msg.len()];
+            s.read_exact(&mut got).await?;
+            Ok::<_, std::io::Error>(got)
+        })
+        .await
+        .with_context(|| format!("echo from {from} to {dst} timed out"))?
+        .with_context(|| format!("echo from {from} to {dst}"))
+    }
+
+    /// Whether a connection from pod `from` to `dst` is refused: it cannot
+    /// be made, or what comes back is not the echo (reset, closed, or e.g.
+    /// a TLS alert from an HBONE port) in time.
+    pub async fn refused(&self, from: &str, dst: SocketAddr) -> Result<bool> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let Ok(mut s) = self.connect(from, dst).await else {
+            return Ok(true);
+        };
+        let r = tokio::time::timeout(WAIT, async {
+            s.write_all(b"ping").await?;
+            let mut buf = [0u8; 4];
+            s.read_exact(&mut buf).await.map(|_| buf)
+        })
+        .await
+        .with_context(|| format!("neither refused nor echoed: {from} -> {dst}"))?;
+        Ok(!matches!(r, Ok(b) if &b == b"ping"))
+    }
+
+    /// Polls [`MeshBed::refused`] until it says `want` (a config change is
+    /// applied asynchronously), bounded by [`WAIT`].
+    pub async fn wait_refused(&self, from: &str, dst: SocketAddr, want: bool) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while self.refused(from, dst).await? != want {
+            if tokio::time::Instant::now() > deadline {
+                bail!("{from} -> {dst}: refused is still {} after {WAIT:?}", !want);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
     }
 
     /// An echo server in pod `name` on `port`.

@@ -22,7 +22,9 @@ use crate::identity::IdentityError;
 use crate::identity::{CertificateManager, Identity};
 use crate::inpod::{InpodConfig, InpodManager, PodSet};
 use crate::metrics::Metrics;
-use crate::proxy::{ProxyConfig, ProxyContext, workload_identity};
+use crate::proxy::{
+    ProxyConfig, ProxyContext, TlsCache, TlsCacheStats, tls_cache, workload_identity,
+};
 use crate::rbac::PolicyCache;
 use crate::state::{StateReader, StateSnapshot, TunnelProtocol, new_state};
 use crate::xds::{XdsClient, XdsClientConfig, XdsError, XdsHandle};
@@ -64,6 +66,8 @@ pub struct Ztunnel {
     certificates: CertificateManager,
     pool: HbonePool,
     pods: watch::Receiver<PodSet>,
+    /// The data path's TLS configs (`None` when in-pod capture is off).
+    tls: Option<Arc<TlsCache>>,
     drain: DrainTrigger,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -120,6 +124,7 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
     let mut tasks = Vec::new();
     let (_, no_pods) = watch::channel(PodSet::new());
     let mut pods = no_pods;
+    let mut tls = None;
     if let Some(path) = config.zds_socket() {
         let ctx = Arc::new(ProxyContext::new(
             config.node_name.clone(),
@@ -136,6 +141,16 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
             },
         ));
         let ctx_for_policies = ctx.clone();
+        tls = Some(ctx.tls.clone());
+        tasks.push(tokio::spawn(
+            tls_cache::follow_certificates(
+                certificates.clone(),
+                ctx.tls.clone(),
+                pool.clone(),
+                watcher.clone(),
+            )
+            .instrument(span.clone()),
+        ));
         let inpod = InpodManager::spawn(InpodConfig::default(), watcher.clone(), Some(ctx));
         pods = inpod.pods.clone();
         let zds = ZdsClient::new(ZdsClientConfig::new(path), inpod.commands);
@@ -199,6 +214,7 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
         certificates: certificates_handle,
         pool,
         pods,
+        tls,
         drain,
         tasks,
     })
@@ -265,6 +281,12 @@ impl Ztunnel {
     /// in-pod capture is off).
     pub fn pods(&self) -> watch::Receiver<PodSet> {
         self.pods.clone()
+    }
+
+    /// What the data path's TLS config cache holds (empty when in-pod
+    /// capture is off): no entry for an identity that left the node.
+    pub fn tls_cache_stats(&self) -> TlsCacheStats {
+        self.tls.as_ref().map(|t| t.stats()).unwrap_or_default()
     }
 
     /// The outbound HBONE connection pool.

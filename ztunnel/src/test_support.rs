@@ -5,9 +5,10 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose, SanType,
+    BasicConstraints, CertificateParams, CertificateSigningRequestParams, DnType,
+    ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType,
 };
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
@@ -15,7 +16,7 @@ use time::OffsetDateTime;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-use crate::identity::{Identity, TrustBundle, WorkloadCertificate};
+use crate::identity::{CaClient, CaClientError, Identity, TrustBundle, WorkloadCertificate};
 
 /// `spiffe://cluster.local/ns/default/sa/<sa>`.
 pub(crate) fn id(sa: &str) -> Identity {
@@ -70,6 +71,46 @@ impl TestCa {
         let leaf = params.signed_by(&key, &self.issuer).unwrap();
         WorkloadCertificate::from_chain(identity, &key, vec![leaf.pem(), self.root_pem.clone()])
             .unwrap()
+    }
+}
+
+impl TestCa {
+    /// Signs a CSR like the mesh CA: the CSR's SAN, `ttl` from now,
+    /// backdated 5 min; returns leaf then root (PEM).
+    pub(crate) fn sign_csr(&self, csr_pem: &str, ttl: Duration) -> Vec<String> {
+        let mut csr = CertificateSigningRequestParams::from_pem(csr_pem).unwrap();
+        let now = OffsetDateTime::now_utc();
+        csr.params.not_before = now - Duration::from_secs(300);
+        csr.params.not_after = now + ttl;
+        csr.params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
+        csr.params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let leaf = csr.signed_by(&self.issuer).unwrap();
+        vec![leaf.pem(), self.root_pem.clone()]
+    }
+}
+
+/// A [`CaClient`] backed by a [`TestCa`]; `ttl`, when set, overrides the
+/// lifetime asked for (short ones make renewals happen within a test).
+pub(crate) struct TestCaClient {
+    pub(crate) ca: TestCa,
+    pub(crate) ttl: Option<Duration>,
+}
+
+impl CaClient for TestCaClient {
+    fn sign<'a>(
+        &'a self,
+        _identity: &'a Identity,
+        csr_pem: String,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Vec<String>, CaClientError>> {
+        let chain = self.ca.sign_csr(&csr_pem, self.ttl.unwrap_or(ttl));
+        Box::pin(async move { Ok(chain) })
     }
 }
 

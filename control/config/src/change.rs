@@ -30,6 +30,14 @@ pub struct ConfigError {
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.file.is_empty() {
+            // Found across objects by the model, not in one document.
+            return write!(
+                f,
+                "{}/{}/{}: {}",
+                self.kind, self.namespace, self.name, self.reason
+            );
+        }
         write!(
             f,
             "{}:{} (document {}) {}/{}/{}: {}",

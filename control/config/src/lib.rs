@@ -3,6 +3,10 @@
 //!
 //! * [`objects`]: the lean typed Kubernetes and Istio objects ([`Object`],
 //!   [`Kind`], [`ObjectKey`]) and the labels the mesh reads;
+//! * [`networking`] and [`gateway_api`]: the traffic kinds (VirtualService,
+//!   DestinationRule, Sidecar; Gateway, HTTPRoute, GRPCRoute, TCPRoute) and
+//!   their parts, with [`scalars`]: typed durations, percentages, weights
+//!   and regexes checked while decoding;
 //! * [`decode`]: one YAML document, JSON bytes or a JSON value into an
 //!   [`Object`], with errors that say what is wrong, where and what to do;
 //! * [`dir`]: the config-directory reader — the file walk, the document
@@ -23,9 +27,13 @@ mod change;
 pub mod decode;
 pub mod dir;
 pub mod enroll;
+pub mod gateway_api;
 mod istio;
 pub mod limits;
+pub mod networking;
+mod node;
 pub mod objects;
+pub mod scalars;
 
 pub use change::{Change, ConfigError};
 pub use decode::{

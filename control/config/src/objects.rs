@@ -5,7 +5,9 @@
 //! serde (field names as in the API), so a bad field type is reported with its
 //! path (`spec.ports[0].port`). Semantic checks that serde cannot express
 //! (IP syntax of string fields, a required name, ...) live in `decode.rs`.
-//! The Istio kinds live in `istio.rs` and are re-exported here.
+//! The Istio security and service-registry kinds live in `istio.rs`, the
+//! traffic kinds in [`crate::networking`] and [`crate::gateway_api`], the
+//! Node in `node.rs`; the kinds are re-exported here.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -14,7 +16,10 @@ use std::net::IpAddr;
 use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize};
 
+pub use crate::gateway_api::{Gateway, GrpcRoute, HttpRoute, TcpRoute};
 pub use crate::istio::*;
+pub use crate::networking::{DestinationRule, Sidecar, VirtualService};
+pub use crate::node::*;
 
 /// Label that enrolls a namespace or pod in ambient mode (`ambient`) or opts a
 /// pod out (`none`).
@@ -26,7 +31,11 @@ pub const LABEL_USE_WAYPOINT_NAMESPACE: &str = "istio.io/use-waypoint-namespace"
 /// Label on an EndpointSlice naming its Service.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 
-/// The kinds of object the model understands.
+/// The kinds of object the model understands. A kind is named by its
+/// Kubernetes `kind` and its API group together: [`Kind::Gateway`] is the
+/// Gateway API's (`gateway.networking.k8s.io`); Istio's `networking.istio.io`
+/// Gateway is a different kind that is not modelled (decoding ignores it).
+/// Serialized as the `kind` string ([`Kind::as_str`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub enum Kind {
     Namespace,
@@ -37,10 +46,22 @@ pub enum Kind {
     WorkloadEntry,
     PeerAuthentication,
     AuthorizationPolicy,
+    VirtualService,
+    DestinationRule,
+    Sidecar,
+    /// The Gateway API Gateway (not Istio's `networking.istio.io` one).
+    Gateway,
+    #[serde(rename = "HTTPRoute")]
+    HttpRoute,
+    #[serde(rename = "GRPCRoute")]
+    GrpcRoute,
+    #[serde(rename = "TCPRoute")]
+    TcpRoute,
+    Node,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 8] = [
+    pub const ALL: [Kind; 16] = [
         Kind::Namespace,
         Kind::Pod,
         Kind::Service,
@@ -49,6 +70,14 @@ impl Kind {
         Kind::WorkloadEntry,
         Kind::PeerAuthentication,
         Kind::AuthorizationPolicy,
+        Kind::VirtualService,
+        Kind::DestinationRule,
+        Kind::Sidecar,
+        Kind::Gateway,
+        Kind::HttpRoute,
+        Kind::GrpcRoute,
+        Kind::TcpRoute,
+        Kind::Node,
     ];
 
     /// The Kubernetes `kind` string.
@@ -62,25 +91,49 @@ impl Kind {
             Kind::WorkloadEntry => "WorkloadEntry",
             Kind::PeerAuthentication => "PeerAuthentication",
             Kind::AuthorizationPolicy => "AuthorizationPolicy",
+            Kind::VirtualService => "VirtualService",
+            Kind::DestinationRule => "DestinationRule",
+            Kind::Sidecar => "Sidecar",
+            Kind::Gateway => "Gateway",
+            Kind::HttpRoute => "HTTPRoute",
+            Kind::GrpcRoute => "GRPCRoute",
+            Kind::TcpRoute => "TCPRoute",
+            Kind::Node => "Node",
         }
     }
 
-    /// Parses a Kubernetes `kind` string.
+    /// Parses a Kubernetes `kind` string, whatever its group (`Gateway` is
+    /// [`Kind::Gateway`]); see [`Self::from_group_kind`].
     pub fn from_kind_str(s: &str) -> Option<Kind> {
         Kind::ALL.into_iter().find(|k| k.as_str() == s)
     }
 
+    /// The kind named `kind` in API `group` (`""` for core).
+    pub fn from_group_kind(group: &str, kind: &str) -> Option<Kind> {
+        Kind::from_kind_str(kind).filter(|k| k.group() == group)
+    }
+
+    /// The API group (`""` for core).
+    pub fn group(self) -> &'static str {
+        let api_version = self.api_versions()[0];
+        api_version.rsplit_once('/').map_or("", |(g, _)| g)
+    }
+
     /// False only for cluster-scoped kinds.
     pub fn is_namespaced(self) -> bool {
-        self != Kind::Namespace
+        !matches!(self, Kind::Namespace | Kind::Node)
     }
 
     /// The `apiVersion` spellings accepted for this kind.
     pub fn api_versions(self) -> &'static [&'static str] {
         match self {
-            Kind::Namespace | Kind::Pod | Kind::Service => &["v1"],
+            Kind::Namespace | Kind::Pod | Kind::Service | Kind::Node => &["v1"],
             Kind::EndpointSlice => &["discovery.k8s.io/v1", "discovery.k8s.io/v1beta1"],
-            Kind::ServiceEntry | Kind::WorkloadEntry => &[
+            Kind::ServiceEntry
+            | Kind::WorkloadEntry
+            | Kind::VirtualService
+            | Kind::DestinationRule
+            | Kind::Sidecar => &[
                 "networking.istio.io/v1",
                 "networking.istio.io/v1beta1",
                 "networking.istio.io/v1alpha3",
@@ -88,6 +141,15 @@ impl Kind {
             Kind::PeerAuthentication | Kind::AuthorizationPolicy => {
                 &["security.istio.io/v1", "security.istio.io/v1beta1"]
             }
+            Kind::Gateway | Kind::HttpRoute => &[
+                "gateway.networking.k8s.io/v1",
+                "gateway.networking.k8s.io/v1beta1",
+            ],
+            Kind::GrpcRoute => &[
+                "gateway.networking.k8s.io/v1",
+                "gateway.networking.k8s.io/v1alpha2",
+            ],
+            Kind::TcpRoute => &["gateway.networking.k8s.io/v1alpha2"],
         }
     }
 }
@@ -134,6 +196,14 @@ pub enum Object {
     WorkloadEntry(WorkloadEntry),
     PeerAuthentication(PeerAuthentication),
     AuthorizationPolicy(AuthorizationPolicy),
+    VirtualService(Box<VirtualService>),
+    DestinationRule(Box<DestinationRule>),
+    Sidecar(Box<Sidecar>),
+    Gateway(Box<Gateway>),
+    HttpRoute(Box<HttpRoute>),
+    GrpcRoute(Box<GrpcRoute>),
+    TcpRoute(Box<TcpRoute>),
+    Node(Node),
 }
 
 impl Object {
@@ -147,6 +217,14 @@ impl Object {
             Object::WorkloadEntry(_) => Kind::WorkloadEntry,
             Object::PeerAuthentication(_) => Kind::PeerAuthentication,
             Object::AuthorizationPolicy(_) => Kind::AuthorizationPolicy,
+            Object::VirtualService(_) => Kind::VirtualService,
+            Object::DestinationRule(_) => Kind::DestinationRule,
+            Object::Sidecar(_) => Kind::Sidecar,
+            Object::Gateway(_) => Kind::Gateway,
+            Object::HttpRoute(_) => Kind::HttpRoute,
+            Object::GrpcRoute(_) => Kind::GrpcRoute,
+            Object::TcpRoute(_) => Kind::TcpRoute,
+            Object::Node(_) => Kind::Node,
         }
     }
 
@@ -160,6 +238,14 @@ impl Object {
             Object::WorkloadEntry(o) => &o.metadata,
             Object::PeerAuthentication(o) => &o.metadata,
             Object::AuthorizationPolicy(o) => &o.metadata,
+            Object::VirtualService(o) => &o.metadata,
+            Object::DestinationRule(o) => &o.metadata,
+            Object::Sidecar(o) => &o.metadata,
+            Object::Gateway(o) => &o.metadata,
+            Object::HttpRoute(o) => &o.metadata,
+            Object::GrpcRoute(o) => &o.metadata,
+            Object::TcpRoute(o) => &o.metadata,
+            Object::Node(o) => &o.metadata,
         }
     }
 
@@ -173,6 +259,14 @@ impl Object {
             Object::WorkloadEntry(o) => &mut o.metadata,
             Object::PeerAuthentication(o) => &mut o.metadata,
             Object::AuthorizationPolicy(o) => &mut o.metadata,
+            Object::VirtualService(o) => &mut o.metadata,
+            Object::DestinationRule(o) => &mut o.metadata,
+            Object::Sidecar(o) => &mut o.metadata,
+            Object::Gateway(o) => &mut o.metadata,
+            Object::HttpRoute(o) => &mut o.metadata,
+            Object::GrpcRoute(o) => &mut o.metadata,
+            Object::TcpRoute(o) => &mut o.metadata,
+            Object::Node(o) => &mut o.metadata,
         }
     }
 
@@ -422,6 +516,9 @@ pub struct ServicePort {
     pub target_port: Option<TargetPort>,
     #[serde(deserialize_with = "nullable")]
     pub protocol: String,
+    /// `appProtocol` (e.g. `http`, `kubernetes.io/h2c`): wins over the
+    /// port name when the mesh infers the application protocol.
+    pub app_protocol: Option<String>,
 }
 
 /// A Service `targetPort`: a number or the name of a container port.

@@ -7,11 +7,12 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::ModelOptions;
 use super::index::WorkloadDraft;
 use super::snapshot::{ResourceFamily, Snapshot, XdsResource};
 use super::store::Store;
+use super::waypoint::{self, WaypointPlan};
 use super::workloads::NsCx;
+use super::{ConfigError, ModelOptions};
 use super::{authz, encode, peer_authn};
 
 /// Translated, encoded resources.
@@ -19,6 +20,8 @@ use super::{authz, encode, peer_authn};
 pub struct Translated {
     pub addresses: Vec<XdsResource>,
     pub authorizations: Vec<XdsResource>,
+    /// What each waypoint serves (its Envoy resources are built from it).
+    pub waypoints: Vec<WaypointPlan>,
 }
 
 /// Translates the whole store.
@@ -42,6 +45,7 @@ pub fn translate(store: &Store, opts: &ModelOptions) -> Translated {
     }
     authz::apply_root_policies(&root_policies, &mut wls);
     peer_authn::apply(store, &mut wls, &mut out.authorizations);
+    out.waypoints = waypoint::plan(store, &wls, &keys, opts);
     out.addresses.reserve(wls.len());
     for wl in wls {
         out.addresses.push(encode::workload_resource(wl, &keys));
@@ -55,12 +59,32 @@ pub fn translate(store: &Store, opts: &ModelOptions) -> Translated {
 pub fn build_snapshot(store: &Store, prev: &Snapshot, opts: &ModelOptions) -> Snapshot {
     let started = Instant::now();
     let out = translate(store, opts);
-    let families = vec![
+    let mut families = vec![
         ResourceFamily::mesh(ambit_proto::ADDRESS_TYPE_URL, out.addresses),
         ResourceFamily::mesh(ambit_proto::AUTHORIZATION_TYPE_URL, out.authorizations),
     ];
+    for plan in &out.waypoints {
+        families.extend(waypoint::families(plan, &opts.trust_domain));
+    }
     let sets = Snapshot::build_sets(prev, families);
-    let errors = store.errors();
+    let mut errors = store.errors();
+    // What translation found wrong across objects (a route to an undefined
+    // subset, two VirtualServices for one host, ...): served as described,
+    // and listed with the documents the sources rejected.
+    errors.extend(
+        out.waypoints
+            .iter()
+            .flat_map(|p| &p.findings)
+            .map(|f| ConfigError {
+                file: String::new(),
+                document: 0,
+                line: 0,
+                kind: f.kind.clone(),
+                namespace: f.namespace.clone(),
+                name: f.name.clone(),
+                reason: f.reason.clone(),
+            }),
+    );
     let errors = if *prev.errors == errors {
         prev.errors.clone()
     } else {

@@ -7,7 +7,9 @@
 use std::collections::HashMap;
 use std::net::IpAddr;
 
-use ambit_config::objects::{Labels, Pod, WorkloadEntrySpec};
+use ambit_config::objects::{
+    LABEL_USE_WAYPOINT, LABEL_USE_WAYPOINT_NAMESPACE, Labels, Pod, WorkloadEntrySpec,
+};
 use ambit_proto::workload::{Port, Workload};
 
 /// DNS domain of the cluster (service hostnames `name.ns.svc.<suffix>`).
@@ -16,6 +18,43 @@ pub const DOMAIN_SUFFIX: &str = "cluster.local";
 pub const ROOT_NAMESPACES: [&str; 2] = ["istio-system", "ambit-system"];
 /// HBONE port of waypoints.
 pub const HBONE_PORT: u32 = 15008;
+/// Label carried by the pods and services of a Gateway (waypoints included).
+pub const LABEL_GATEWAY_NAME: &str = "gateway.networking.k8s.io/gateway-name";
+
+/// The waypoint an object is bound to.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct WaypointRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+/// `istio.io/use-waypoint` on the object, else on its namespace (with
+/// `istio.io/use-waypoint-namespace` for a waypoint elsewhere); `none` on
+/// the object disables a namespace waypoint. Gateways never use one.
+pub fn waypoint_ref(ns: &str, ns_labels: &Labels, labels: &Labels) -> Option<WaypointRef> {
+    if labels.contains_key(LABEL_GATEWAY_NAME) {
+        return None;
+    }
+    let source = if labels.contains_key(LABEL_USE_WAYPOINT) {
+        labels
+    } else {
+        ns_labels
+    };
+    let name = source.get(LABEL_USE_WAYPOINT)?;
+    if name.is_empty() || name == "none" {
+        return None;
+    }
+    let namespace = source
+        .get(LABEL_USE_WAYPOINT_NAMESPACE)
+        .map(String::as_str)
+        .filter(|s| !s.is_empty())
+        .unwrap_or(ns);
+    Some(WaypointRef {
+        namespace: namespace.to_string(),
+        name: name.clone(),
+    })
+}
+
 /// What a workload was made from, for per-workload target port resolution.
 #[derive(Clone, Copy)]
 pub(crate) enum Backing<'a> {

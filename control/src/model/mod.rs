@@ -29,6 +29,7 @@ mod index;
 pub mod peer_authn;
 pub mod snapshot;
 pub mod store;
+pub mod waypoint;
 pub mod workloads;
 
 #[cfg(test)]
@@ -214,7 +215,9 @@ async fn run_writer(
                 Ok(mut snap) => {
                     snap.synced = synced;
                     let (changed, removed) = snap.change_count();
-                    let publish = snap.sets_differ(&current) || acc.errors || acc.synced;
+                    let publish = snap.sets_differ(&current)
+                        || !Arc::ptr_eq(&snap.errors, &current.errors)
+                        || acc.synced;
                     if publish {
                         info!(
                             seq = snap.seq,

@@ -43,6 +43,140 @@ fn store_apply_reports_changes() {
     assert!(!store.set_errors("f".into(), vec![]));
 }
 
+/// One object of each traffic kind, a Node, and Istio's own Gateway (which
+/// decoding ignores).
+const TRAFFIC_KINDS: &str = "\
+apiVersion: networking.istio.io/v1
+kind: VirtualService
+metadata: {name: llm, namespace: a}
+spec:
+  hosts: [llm]
+  http:
+  - route:
+    - {destination: {host: llm, subset: v1}, weight: 80}
+    - {destination: {host: llm, subset: v2}, weight: 20}
+    retries: {attempts: 3, perTryTimeout: 2s, retryOn: '5xx,reset'}
+---
+apiVersion: networking.istio.io/v1
+kind: DestinationRule
+metadata: {name: llm, namespace: a}
+spec:
+  host: llm
+  subsets: [{name: v1, labels: {version: v1}}, {name: v2, labels: {version: v2}}]
+---
+apiVersion: networking.istio.io/v1
+kind: Sidecar
+metadata: {name: default, namespace: a}
+spec: {egress: [{hosts: [./*]}]}
+---
+apiVersion: networking.istio.io/v1
+kind: Gateway
+metadata: {name: ingress, namespace: a}
+spec: {selector: {istio: ingressgateway}}
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata: {name: waypoint, namespace: a, labels: {istio.io/waypoint-for: service}}
+spec:
+  gatewayClassName: istio-waypoint
+  listeners: [{name: mesh, port: 15008, protocol: HBONE}]
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {name: llm, namespace: a}
+spec:
+  parentRefs: [{group: '', kind: Service, name: llm}]
+  rules: [{backendRefs: [{name: llm-v1, port: 80, weight: 80}, {name: llm-v2, port: 80, weight: 20}]}]
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: GRPCRoute
+metadata: {name: embed, namespace: a}
+spec: {rules: [{backendRefs: [{name: embed, port: 9000}]}]}
+---
+apiVersion: gateway.networking.k8s.io/v1alpha2
+kind: TCPRoute
+metadata: {name: db, namespace: a}
+spec: {rules: [{backendRefs: [{name: db, port: 5432}]}]}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: node-a}
+status: {addresses: [{type: InternalIP, address: 192.168.1.10}]}
+";
+
+#[test]
+fn store_holds_the_traffic_kinds_and_translation_ignores_them() {
+    let pod = "apiVersion: v1\nkind: Pod\nmetadata: {name: p, namespace: a}\nspec: {nodeName: node-a}\nstatus: {podIP: 10.0.0.1}\n";
+    let mut store = store_from(&format!("{pod}---\n{TRAFFIC_KINDS}"));
+    let keys = [
+        ObjectKey::new(Kind::VirtualService, "a", "llm"),
+        ObjectKey::new(Kind::DestinationRule, "a", "llm"),
+        ObjectKey::new(Kind::Sidecar, "a", "default"),
+        ObjectKey::new(Kind::Gateway, "a", "waypoint"),
+        ObjectKey::new(Kind::HttpRoute, "a", "llm"),
+        ObjectKey::new(Kind::GrpcRoute, "a", "embed"),
+        ObjectKey::new(Kind::TcpRoute, "a", "db"),
+        ObjectKey::new(Kind::Node, "", "node-a"),
+    ];
+    assert_eq!(store.len(), keys.len() + 1, "Istio's Gateway is not stored");
+    assert!(
+        store
+            .get(&ObjectKey::new(Kind::Gateway, "a", "ingress"))
+            .is_none()
+    );
+    for key in &keys {
+        let obj = store.get(key).unwrap_or_else(|| panic!("{key} is stored"));
+        assert_eq!(obj.key(), *key);
+        assert!(
+            !store.upsert(obj),
+            "{key}: an identical upsert is no change"
+        );
+    }
+    assert_eq!(store.nodes().count(), 1);
+    // The translators do not use them (yet): the snapshot is the pod's alone.
+    let options = ModelOptions::default();
+    let with = build_snapshot(&store, &Snapshot::default(), &options);
+    let without = build_snapshot(&store_from(pod), &Snapshot::default(), &options);
+    assert!(with.errors.is_empty(), "{:#?}", with.errors);
+    for type_url in [
+        ambit_proto::ADDRESS_TYPE_URL,
+        ambit_proto::AUTHORIZATION_TYPE_URL,
+    ] {
+        let versions = |s: &Snapshot| {
+            let set = &s.mesh(type_url).by_name;
+            let mut v: Vec<(String, String)> = set
+                .iter()
+                .map(|(n, r)| (n.clone(), r.version.clone()))
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(versions(&with), versions(&without), "{type_url}");
+    }
+    assert_eq!(
+        with.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name.len(),
+        1,
+        "the pod"
+    );
+    // Changes flow: an edit replaces, a delete removes, `len` follows.
+    let Some(Object::VirtualService(mut vs)) = store.get(&keys[0]) else {
+        panic!("not a VirtualService")
+    };
+    vs.spec.http[0].route[0].weight = 50;
+    assert!(store.apply(Change::Upsert(Object::VirtualService(vs))));
+    for (removed, key) in keys.iter().enumerate() {
+        assert!(store.apply(Change::Delete(key.clone())), "{key}");
+        assert!(!store.apply(Change::Delete(key.clone())), "{key} twice");
+        assert_eq!(store.len(), keys.len() - removed, "{key}");
+    }
+    assert!(store.apply(Change::Delete(ObjectKey::new(Kind::Pod, "a", "p"))));
+    assert!(store.is_empty());
+    assert!(
+        store.spaces().next().is_none(),
+        "an emptied namespace is dropped"
+    );
+}
+
 fn pod_obj(name: &str, ip: &str) -> Object {
     decode(&format!("apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: a}}\nstatus: {{podIP: {ip}}}\n"))
         .unwrap()

@@ -19,18 +19,14 @@ use ambit_proto::workload::{
 use super::ModelOptions;
 use super::index::{
     Backing, DOMAIN_SUFFIX, HBONE_PORT, LabelIndex, LabelView, WorkloadDraft, ip_bytes,
-    ip_from_bytes,
+    ip_from_bytes, waypoint_ref,
 };
 use super::snapshot::XdsResource;
 use super::store::NamespaceObjects;
 use ambit_config::is_enrolled;
 use ambit_config::objects::{
-    EndpointSlice, LABEL_USE_WAYPOINT, LABEL_USE_WAYPOINT_NAMESPACE, Labels, Location, Pod,
-    Service, ServiceEntry, TargetPort, WorkloadEntry,
+    EndpointSlice, Labels, Location, Pod, Service, ServiceEntry, TargetPort, WorkloadEntry,
 };
-
-/// Label carried by the pods and services of a Gateway (waypoints included).
-const LABEL_GATEWAY_NAME: &str = "gateway.networking.k8s.io/gateway-name";
 
 /// One namespace being translated.
 pub(crate) struct NsCx<'a> {
@@ -73,30 +69,14 @@ impl<'a> NsCx<'a> {
     }
 }
 
-/// `istio.io/use-waypoint` on the object, else on its namespace; `none` on
-/// the object disables a namespace waypoint. Gateways never use one.
+/// The waypoint address of an object bound with `istio.io/use-waypoint`
+/// (see [`waypoint_ref`]).
 pub fn waypoint_for(ns: &str, ns_labels: &Labels, labels: &Labels) -> Option<GatewayAddress> {
-    if labels.contains_key(LABEL_GATEWAY_NAME) {
-        return None;
-    }
-    let source = if labels.contains_key(LABEL_USE_WAYPOINT) {
-        labels
-    } else {
-        ns_labels
-    };
-    let name = source.get(LABEL_USE_WAYPOINT)?;
-    if name.is_empty() || name == "none" {
-        return None;
-    }
-    let wns = source
-        .get(LABEL_USE_WAYPOINT_NAMESPACE)
-        .map(String::as_str)
-        .filter(|s| !s.is_empty())
-        .unwrap_or(ns);
+    let w = waypoint_ref(ns, ns_labels, labels)?;
     Some(GatewayAddress {
         destination: Some(gateway_address::Destination::Hostname(NamespacedHostname {
-            namespace: wns.to_string(),
-            hostname: format!("{name}.{wns}.svc.{DOMAIN_SUFFIX}"),
+            hostname: format!("{}.{}.svc.{DOMAIN_SUFFIX}", w.name, w.namespace),
+            namespace: w.namespace,
         })),
         hbone_mtls_port: HBONE_PORT,
     })

@@ -198,6 +198,7 @@ mod tests {
             namespace: namespace.into(),
             node_name: String::new(),
             service_account: sa.into(),
+            labels: Default::default(),
         }
     }
 

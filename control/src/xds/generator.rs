@@ -92,6 +92,7 @@ impl Generators {
     pub fn standard() -> Generators {
         let mut g = Generators::empty();
         g.register(Arc::new(super::ztunnel::ZtunnelGenerator));
+        g.register(Arc::new(super::waypoint::WaypointGenerator));
         g
     }
 

@@ -14,6 +14,7 @@ pub mod proxy;
 mod sotw;
 pub mod status;
 mod stream;
+pub mod waypoint;
 pub mod ztunnel;
 
 use std::net::SocketAddr;

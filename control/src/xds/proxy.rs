@@ -7,6 +7,7 @@
 //! agents send them. What a proxy is *allowed* to see is decided from its
 //! authenticated identity, never from these self-reported fields.
 
+use std::collections::BTreeMap;
 use std::fmt;
 
 use envoy_types::pb::envoy::config::core::v3::Node;
@@ -64,6 +65,19 @@ pub struct ProxyNode {
     /// Service account the proxy claims (metadata `SERVICE_ACCOUNT`; may be
     /// empty).
     pub service_account: String,
+    /// The pod's labels (metadata `LABELS`, a struct of strings).
+    pub labels: BTreeMap<String, String>,
+}
+
+/// Label naming the Gateway a waypoint (or gateway) pod belongs to.
+pub const GATEWAY_NAME_LABEL: &str = "gateway.networking.k8s.io/gateway-name";
+
+impl ProxyNode {
+    /// The Gateway this proxy runs for (a waypoint's own Gateway), from its
+    /// pod labels.
+    pub fn gateway_name(&self) -> Option<&str> {
+        self.labels.get(GATEWAY_NAME_LABEL).map(String::as_str)
+    }
 }
 
 impl ProxyNode {
@@ -108,6 +122,12 @@ impl ProxyNode {
             namespace,
             node_name: meta("NODE_NAME"),
             service_account: meta("SERVICE_ACCOUNT"),
+            labels: node
+                .metadata
+                .as_ref()
+                .and_then(|m| m.fields.get("LABELS"))
+                .map(string_fields)
+                .unwrap_or_default(),
         }
     }
 
@@ -119,7 +139,23 @@ impl ProxyNode {
             namespace: String::new(),
             node_name: String::new(),
             service_account: String::new(),
+            labels: BTreeMap::new(),
         }
+    }
+}
+
+/// The string fields of a `Struct` value (anything else is skipped).
+fn string_fields(v: &envoy_types::pb::google::protobuf::Value) -> BTreeMap<String, String> {
+    match &v.kind {
+        Some(ValueKind::StructValue(s)) => s
+            .fields
+            .iter()
+            .filter_map(|(k, v)| match &v.kind {
+                Some(ValueKind::StringValue(s)) => Some((k.clone(), s.clone())),
+                _ => None,
+            })
+            .collect(),
+        _ => BTreeMap::new(),
     }
 }
 

@@ -10,6 +10,13 @@
 //!  <prefix>-<pod>: eth0 10.10.1.<host>/24, default via 10.10.1.1
 //! ```
 //!
+//! [`Cluster::dual_stack`] adds IPv6 (ULA) to the same wiring, for tests
+//! that ask for it (the others stay IPv4-only): nodes `fd00:31::(n+1)/64`
+//! on the lan, `cni0` `fd00:10:(n+1)::1/64`, pods `fd00:10:(n+1)::<host>/64`
+//! with a default route via their `cni0`, routes between nodes, IPv6
+//! forwarding on; addresses skip duplicate address detection so they are
+//! usable at once.
+//!
 //! ztunnel runs in the test process (the host netns) and makes its per-pod
 //! sockets inside pod namespaces via [`PodNetns`]; [`redirect`] holds the
 //! in-pod rules, [`capture`] a packet capture, and the app helpers below
@@ -19,7 +26,7 @@
 pub mod capture;
 pub use ambit_cni::redirect;
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -134,6 +141,21 @@ pub fn node_ip(node: usize) -> Ipv4Addr {
     Ipv4Addr::new(172, 31, 0, octet(node + 1))
 }
 
+/// IPv6 address of node `node` on the lan (`fd00:31::(node+1)`), in a
+/// dual-stack cluster.
+pub fn node_ip6(node: usize) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x31, 0, 0, 0, 0, 0, hextet(node + 1))
+}
+
+/// IPv6 address `host` in node `node`'s pod subnet (`fd00:10:(node+1)::host`).
+pub fn pod_ip6(node: usize, host: usize) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x10, hextet(node + 1), 0, 0, 0, 0, hextet(host))
+}
+
+fn hextet(n: usize) -> u16 {
+    u16::try_from(n).unwrap_or(u16::MAX)
+}
+
 /// The pod subnet's third octet of node `node`: pods get `10.10.(node+1).x`.
 fn octet(n: usize) -> u8 {
     u8::try_from(n).unwrap_or(u8::MAX)
@@ -148,6 +170,8 @@ pub struct PodNet {
     pub netns: String,
     /// Its address on `eth0`.
     pub ip: Ipv4Addr,
+    /// Its IPv6 address on `eth0`, in a dual-stack cluster.
+    pub ip6: Option<Ipv6Addr>,
     /// Index of its node.
     pub node: usize,
 }
@@ -167,6 +191,18 @@ impl PodNet {
     pub fn addr(&self, port: u16) -> SocketAddr {
         SocketAddr::new(self.ip.into(), port)
     }
+
+    /// `[self.ip6]:port`; panics when the pod has no IPv6 address (the
+    /// cluster was not made with [`Cluster::dual_stack`]).
+    pub fn addr6(&self, port: u16) -> SocketAddr {
+        match self.ip6 {
+            Some(ip) => SocketAddr::new(ip.into(), port),
+            None => panic!(
+                "pod {} has no IPv6 address (use Cluster::dual_stack)",
+                self.name
+            ),
+        }
+    }
 }
 
 /// A cluster of nodes and pods. Dropping it deletes every namespace it made
@@ -181,11 +217,28 @@ pub struct Cluster {
     pods_per_node: Vec<usize>,
     /// Every namespace made, in creation order.
     created: Vec<String>,
+    /// IPv6 too (see [`Cluster::dual_stack`]).
+    ipv6: bool,
 }
 
 impl Cluster {
-    /// A lan with `nodes` nodes (1..=250) and no pods yet.
+    /// A lan with `nodes` nodes (1..=250) and no pods yet, IPv4 only.
     pub fn new(nodes: usize) -> Result<Cluster> {
+        Self::build_cluster(nodes, false)
+    }
+
+    /// [`Cluster::new`] with IPv6 as well: every node and pod also gets a
+    /// ULA address (see the module docs).
+    pub fn dual_stack(nodes: usize) -> Result<Cluster> {
+        Self::build_cluster(nodes, true)
+    }
+
+    /// Whether nodes and pods have IPv6 addresses too.
+    pub fn is_dual_stack(&self) -> bool {
+        self.ipv6
+    }
+
+    fn build_cluster(nodes: usize, ipv6: bool) -> Result<Cluster> {
         if !(1..=250).contains(&nodes) {
             bail!("Cluster::new: {nodes} nodes; 1 to 250 are supported");
         }
@@ -197,6 +250,7 @@ impl Cluster {
             pods: Vec::new(),
             pods_per_node: vec![0; nodes],
             created: Vec::new(),
+            ipv6,
         };
         // On any error, `cluster` drops here and removes what was made.
         cluster
@@ -226,12 +280,24 @@ impl Cluster {
             ip(&["-n", node, "addr", "add", &cni, "dev", "cni0"])?;
             ip(&["-n", node, "link", "set", "cni0", "up"])?;
             sysctl(node, "net/ipv4/ip_forward", "1")?;
+            if self.ipv6 {
+                let lan6 = format!("{}/64", node_ip6(i));
+                let cni6 = format!("{}/64", pod_ip6(i, 1));
+                ip(&["-n", node, "addr", "add", &lan6, "dev", "eth0", "nodad"])?;
+                ip(&["-n", node, "addr", "add", &cni6, "dev", "cni0", "nodad"])?;
+                sysctl(node, "net/ipv6/conf/all/forwarding", "1")?;
+            }
         }
         for (i, node) in self.nodes.iter().enumerate() {
             for j in (0..self.nodes.len()).filter(|j| *j != i) {
                 let subnet = format!("10.10.{}.0/24", octet(j + 1));
                 let via = node_ip(j).to_string();
                 ip(&["-n", node, "route", "add", &subnet, "via", &via])?;
+                if self.ipv6 {
+                    let subnet6 = format!("{}/64", pod_ip6(j, 0));
+                    let via6 = node_ip6(j).to_string();
+                    ip(&["-n", node, "-6", "route", "add", &subnet6, "via", &via6])?;
+                }
             }
         }
         Ok(())
@@ -274,6 +340,7 @@ impl Cluster {
             name: name.to_string(),
             netns: format!("{}-{name}", self.prefix),
             ip: Ipv4Addr::new(10, 10, octet(node + 1), octet(host)),
+            ip6: self.ipv6.then(|| pod_ip6(node, host)),
             node,
         };
         let ns = pod.netns.as_str();
@@ -289,7 +356,14 @@ impl Cluster {
             ip(&["-n", &node_ns, "link", "set", &peer, "master", "cni0", "up"])?;
             ip(&["-n", ns, "addr", "add", &cidr, "dev", "eth0"])?;
             ip(&["-n", ns, "link", "set", "eth0", "up"])?;
-            ip(&["-n", ns, "route", "add", "default", "via", &gateway])
+            ip(&["-n", ns, "route", "add", "default", "via", &gateway])?;
+            if let Some(ip6) = pod.ip6 {
+                let cidr6 = format!("{ip6}/64");
+                let gateway6 = pod_ip6(node, 1).to_string();
+                ip(&["-n", ns, "addr", "add", &cidr6, "dev", "eth0", "nodad"])?;
+                ip(&["-n", ns, "-6", "route", "add", "default", "via", &gateway6])?;
+            }
+            Ok(())
         };
         setup().with_context(|| format!("wiring pod {name} on node {node}"))?;
         self.pods.push(pod.clone());
@@ -384,7 +458,15 @@ pub async fn whoami_server(pod: &PodNet, port: u16) -> Result<App> {
 
 /// A listener on `0.0.0.0:port` inside the pod, driven by the current runtime.
 pub fn listen(pod: &PodNet, port: u16) -> Result<TcpListener> {
-    let any = SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port);
+    listen_on(pod, SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port))
+}
+
+/// A listener on `[::]:port` (IPv6 only) inside the pod.
+pub fn listen6(pod: &PodNet, port: u16) -> Result<TcpListener> {
+    listen_on(pod, SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), port))
+}
+
+fn listen_on(pod: &PodNet, any: SocketAddr) -> Result<TcpListener> {
     let std = pod
         .open()?
         .bind_listener(any, false)
@@ -392,21 +474,20 @@ pub fn listen(pod: &PodNet, port: u16) -> Result<TcpListener> {
     TcpListener::from_std(std).context("registering listener with tokio")
 }
 
+/// Serves on `0.0.0.0:port`, and on `[::]:port` too when the pod has IPv6.
 async fn serve(pod: &PodNet, port: u16, whoami: bool) -> Result<App> {
-    let listener = listen(pod, port)?;
+    let v4 = listen(pod, port)?;
+    let v6 = match pod.ip6 {
+        Some(_) => Some(listen6(pod, port)?),
+        None => None,
+    };
     let task = tokio::spawn(async move {
         // Dropping the set (when the task is aborted) aborts every connection.
         let mut conns = JoinSet::new();
         loop {
             tokio::select! {
-                accepted = listener.accept() => match accepted {
-                    Ok((stream, peer)) => {
-                        conns.spawn(async move {
-                            let _ = echo(stream, whoami.then_some(peer)).await;
-                        });
-                    }
-                    Err(e) => println!("netbed app: accept failed: {e}"),
-                },
+                accepted = v4.accept() => accept_one(&mut conns, accepted, whoami),
+                accepted = accept_opt(v6.as_ref()) => accept_one(&mut conns, accepted, whoami),
                 Some(_) = conns.join_next(), if !conns.is_empty() => {}
             }
         }
@@ -415,6 +496,28 @@ async fn serve(pod: &PodNet, port: u16, whoami: bool) -> Result<App> {
         addr: pod.addr(port),
         task,
     })
+}
+
+async fn accept_opt(l: Option<&TcpListener>) -> std::io::Result<(TcpStream, SocketAddr)> {
+    match l {
+        Some(l) => l.accept().await,
+        None => std::future::pending().await,
+    }
+}
+
+fn accept_one(
+    conns: &mut JoinSet<()>,
+    accepted: std::io::Result<(TcpStream, SocketAddr)>,
+    whoami: bool,
+) {
+    match accepted {
+        Ok((stream, peer)) => {
+            conns.spawn(async move {
+                let _ = echo(stream, whoami.then_some(peer)).await;
+            });
+        }
+        Err(e) => println!("netbed app: accept failed: {e}"),
+    }
 }
 
 async fn echo(mut stream: TcpStream, greet: Option<SocketAddr>) -> std::io::Result<()> {

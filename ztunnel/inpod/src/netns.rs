@@ -344,7 +344,8 @@ fn client_socket(dst: SocketAddr, opts: &SocketOptions) -> io::Result<Socket> {
         set_transparent(&sock, dst.is_ipv6()).map_err(|e| ctx(e, "IP_TRANSPARENT"))?;
     }
     if let Some(local) = opts.bind {
-        if local.port() == 0 && local.is_ipv4() {
+        // IPv6 sockets honour this SOL_IP option too (inet6_bind checks it).
+        if local.port() == 0 {
             // Pick the port at connect time, unique per 4-tuple: binding the
             // same client IP for every delivered connection would otherwise
             // reserve a port per bind, and once TIME_WAIT sockets fill half

@@ -2,38 +2,34 @@
 //! `/quitquitquit`), stats (`/metrics`) and readiness (`/healthz/ready`).
 //!
 //! hyper 1 HTTP/1.1 with a `match` on method and path; no framework.
-//! Unknown paths get 404, known paths with the wrong method 405.
+//! Unknown paths get 404, known paths with the wrong method 405. Serving
+//! (`server.rs`) bounds connections, request heads and idle time.
 
 mod config_dump;
+mod server;
 
 #[cfg(test)]
 mod tests;
 
-use std::convert::Infallible;
 use std::fmt;
 use std::net::SocketAddr;
-use std::pin::pin;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::header::{ALLOW, CONTENT_TYPE, HeaderValue};
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
-use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use hyper::{Method, Response, StatusCode};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tracing::{debug, info, warn};
+use tracing::info;
 use tracing_subscriber::EnvFilter;
 
-use crate::drain::{DrainWatcher, run_until_drained};
 use crate::identity::CertificateDump;
 use crate::metrics::Metrics;
 use crate::state::StateReader;
 
 pub use self::config_dump::{ConfigDump, config_dump};
+pub(crate) use self::server::serve;
 
 /// Errors of the admin servers.
 #[derive(Debug, thiserror::Error)]
@@ -349,47 +345,4 @@ pub(crate) async fn bind(
         .local_addr()
         .map_err(|source| AdminError::LocalAddr { what, source })?;
     Ok((listener, local))
-}
-
-/// Accepts and serves connections on `listener` until `drain` fires.
-pub(crate) async fn serve(
-    tcp: TcpListener,
-    listener: Listener,
-    ctx: Arc<AdminContext>,
-    drain: DrainWatcher,
-) {
-    loop {
-        let accepted = tokio::select! {
-            biased;
-            _ = drain.signaled() => break,
-            accepted = tcp.accept() => accepted,
-        };
-        let stream = match accepted {
-            Ok((stream, _peer)) => stream,
-            Err(e) => {
-                // Out of file descriptors and the like: back off a little
-                // instead of spinning.
-                warn!(listener = listener.name(), error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let ctx = ctx.clone();
-        let drain = drain.clone();
-        tokio::spawn(async move {
-            let svc = service_fn(move |req: Request<hyper::body::Incoming>| {
-                let resp = route(
-                    listener,
-                    &ctx,
-                    req.method(),
-                    req.uri().path(),
-                    req.uri().query(),
-                );
-                async move { Ok::<_, Infallible>(resp) }
-            });
-            let conn = pin!(http1::Builder::new().serve_connection(TokioIo::new(stream), svc));
-            run_until_drained(conn, &drain, |c| c.graceful_shutdown()).await;
-        });
-    }
-    debug!(listener = listener.name(), "listener stopped");
 }

@@ -611,6 +611,22 @@ impl Inner {
     }
 }
 
+impl HbonePool {
+    /// Drops the pool's handle on every connection whose source identity
+    /// `gone` says has left (e.g. its last pod left the node), so no idle
+    /// connection keeps presenting it; streams still running keep their
+    /// connection until they end. Returns how many connections were dropped.
+    pub fn evict_sources(&self, gone: impl Fn(&Identity) -> bool) -> usize {
+        let removed: Vec<KeyEntry> = {
+            let mut keys = lock(&self.inner.keys);
+            let stale: Vec<PoolKey> = keys.keys().filter(|k| gone(&k.src)).cloned().collect();
+            stale.iter().filter_map(|k| keys.remove(k)).collect()
+        };
+        // Dropped outside the lock.
+        removed.iter().map(|e| e.conns.len()).sum()
+    }
+}
+
 #[cfg(test)]
 #[path = "pool_tests.rs"]
 mod tests;

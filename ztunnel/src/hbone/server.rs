@@ -6,6 +6,15 @@
 //! (e.g. 401/403 for an address that is not the pod's — never an open
 //! proxy). An accepted stream gets `200` and is handed to the caller's
 //! handler as an [`H2Stream`] on its own task.
+//!
+//! What one client can make a connection hold is bounded, as Istio's
+//! ztunnel bounds it: [`MAX_CONCURRENT_STREAMS`] open streams (h2 refuses
+//! more with `REFUSED_STREAM`; a conforming client queues them),
+//! [`MAX_HEADER_LIST_SIZE`] of headers per request (h2 answers a larger
+//! one with 431 on that stream only), [`super::MAX_FRAME_SIZE`] per frame,
+//! and a few resets before h2 answers a reset flood with GOAWAY. Buffered
+//! request bodies are bounded by the connection window
+//! ([`super::CONNECTION_WINDOW`]).
 
 use std::future::Future;
 use std::io;
@@ -23,6 +32,24 @@ use super::stream::H2Stream;
 use super::tls::peer_identity;
 use super::{CONNECTION_WINDOW, HANDSHAKE_TIMEOUT, MAX_FRAME_SIZE, MAX_SEND_BUFFER, STREAM_WINDOW};
 use crate::identity::Identity;
+
+/// Most streams one client may have open on one connection at a time
+/// (HTTP/2 `SETTINGS_MAX_CONCURRENT_STREAMS`); Istio's ztunnel uses 100 too,
+/// and the outbound pool never opens more per connection.
+pub const MAX_CONCURRENT_STREAMS: u32 = 100;
+/// Largest decoded header list of one request (`SETTINGS_MAX_HEADER_LIST_SIZE`,
+/// 64 KiB as in Istio's ztunnel); a CONNECT carries a few hundred bytes.
+pub const MAX_HEADER_LIST_SIZE: u32 = 64 * 1024;
+/// Streams the client may open and reset before they are accepted; past
+/// that h2 closes the connection with GOAWAY (the "rapid reset" defence).
+pub const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
+/// Streams reset by the client that are remembered at once (so late frames
+/// on them are ignored rather than treated as errors).
+pub const MAX_CONCURRENT_RESET_STREAMS: usize = 10;
+/// Streams this server may reset for the client's protocol errors (e.g.
+/// over the stream limit, oversized headers) before it closes the whole
+/// connection with GOAWAY `ENHANCE_YOUR_CALM`.
+pub const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1024;
 
 /// Errors of one inbound HBONE connection.
 #[derive(Debug, thiserror::Error)]
@@ -183,6 +210,11 @@ impl HboneServer {
         let mut conn = tokio::time::timeout_at(
             deadline,
             h2::server::Builder::new()
+                .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
+                .max_header_list_size(MAX_HEADER_LIST_SIZE)
+                .max_pending_accept_reset_streams(MAX_PENDING_ACCEPT_RESET_STREAMS)
+                .max_concurrent_reset_streams(MAX_CONCURRENT_RESET_STREAMS)
+                .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
                 .initial_window_size(STREAM_WINDOW)
                 .initial_connection_window_size(CONNECTION_WINDOW)
                 .max_frame_size(MAX_FRAME_SIZE)
@@ -271,3 +303,7 @@ fn response(status: StatusCode) -> Response<()> {
     *r.status_mut() = status;
     r
 }
+
+#[cfg(test)]
+#[path = "server_limits_tests.rs"]
+mod limits_tests;

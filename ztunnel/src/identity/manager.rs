@@ -100,6 +100,7 @@ pub struct CertificateManager {
     commands: mpsc::UnboundedSender<Command>,
     view: CertificateView,
     bundle: watch::Receiver<Arc<TrustBundle>>,
+    changes: watch::Receiver<u64>,
     shared: Arc<Shared>,
 }
 
@@ -132,6 +133,7 @@ impl CertificateManager {
             roots: file_roots.clone(),
         }));
         let (commands, rx) = mpsc::unbounded_channel();
+        let (changes_tx, changes) = watch::channel(0u64);
         let actor = Actor {
             shared: shared.clone(),
             rx,
@@ -143,12 +145,14 @@ impl CertificateManager {
             roots: HashMap::new(),
             latest_root: None,
             bundle_tx,
+            changes: changes_tx,
         };
         tokio::spawn(actor.run());
         Ok(Self {
             commands,
             view,
             bundle,
+            changes,
             shared,
         })
     }
@@ -228,6 +232,20 @@ impl CertificateManager {
         let _ = self.commands.send(Command::Forget(id.clone()));
     }
 
+    /// The certificate `id` holds now (possibly expired), if `id` is
+    /// managed. Caches built from another certificate of `id`, or of an
+    /// identity that is no longer managed, are stale.
+    pub fn current(&self, id: &Identity) -> Option<Arc<WorkloadCertificate>> {
+        self.view.get(id).and_then(|rx| rx.borrow().cert.clone())
+    }
+
+    /// Bumped after every change of the managed set or of a certificate
+    /// (an identity forgotten, a certificate issued or renewed): what holds
+    /// copies of certificates or keys watches it to drop stale ones.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.changes.clone()
+    }
+
     /// The identities currently managed, sorted.
     pub fn identities(&self) -> Vec<Identity> {
         self.view.identities()
@@ -289,6 +307,8 @@ struct Actor {
     /// The root of the newest chain of any identity (kept after forget).
     latest_root: Option<CertificateDer<'static>>,
     bundle_tx: watch::Sender<Arc<TrustBundle>>,
+    /// See [`CertificateManager::changes`].
+    changes: watch::Sender<u64>,
 }
 
 impl Actor {
@@ -307,6 +327,7 @@ impl Actor {
                         self.roots.remove(&id);
                         self.publish_view();
                         self.publish_bundle();
+                        self.changes.send_modify(|n| *n += 1);
                     }
                 }
                 Command::Issued {
@@ -328,6 +349,9 @@ impl Actor {
                         }
                     }
                     self.publish_bundle();
+                    // The worker published the new certificate before
+                    // sending this, so watchers see it already.
+                    self.changes.send_modify(|n| *n += 1);
                 }
             }
         }

@@ -75,6 +75,13 @@ async fn hbone_connection(
     }
 }
 
+/// ztunnel's node-level ports (admin 15000, metrics 15020, readiness
+/// 15021). Never a destination inside a pod: a CONNECT or a redirected
+/// connection to one is refused like one to the in-pod ports, so no peer
+/// can aim a tunnel at a ztunnel port wherever it listens.
+pub const NODE_PORTS: [u16; 3] = [15000, 15020, 15021];
+
+/// Whether `port` is one of ztunnel's own (in-pod or node) ports.
 fn is_own_port(ctx: &ProxyContext, port: u16) -> bool {
     [
         ctx.cfg.outbound_port,
@@ -82,6 +89,7 @@ fn is_own_port(ctx: &ProxyContext, port: u16) -> bool {
         ctx.cfg.hbone_port,
     ]
     .contains(&port)
+        || NODE_PORTS.contains(&port)
 }
 
 /// What the metrics know of an inbound connection.

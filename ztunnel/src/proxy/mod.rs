@@ -9,7 +9,8 @@
 //! ```
 //!
 //! * [`ProxyContext`] is shared by every pod: state reader, certificates,
-//!   the HBONE pool, metrics, the policy cache and a TLS config cache.
+//!   the HBONE pool, metrics, the policy cache and the TLS config cache
+//!   (`tls_cache.rs`, evicted when an identity leaves or is renewed).
 //! * [`PodContext`] (`pod.rs`) is one enrolled pod: its identity, a socket
 //!   thread inside its netns ([`ambit_inpod::NetnsSockets`]) and its own
 //!   drain signal, so removing a pod drains only its connections.
@@ -27,22 +28,22 @@ pub mod metrics;
 pub mod outbound;
 mod pod;
 mod resolve;
+pub mod tls_cache;
 
-use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use ambit_inpod::ZTUNNEL_MARK;
 use hyper::http::StatusCode;
-use rustls::ClientConfig;
+use rustls::{ClientConfig, ServerConfig};
 
 use crate::copy::{CopyConfig, CopyError};
 use crate::drain::DRAIN_DEADLINE;
 use crate::hbone::HbonePool;
-use crate::hbone::{ClientError, PoolError, ServerError, TlsError, client_config};
+use crate::hbone::{ClientError, PoolError, ServerError, TlsError};
 use crate::identity::{
     CertificateManager, Identity, IdentityError, TrustBundle, WorkloadCertificate,
 };
@@ -53,6 +54,7 @@ use self::metrics::{PeerInfo, TcpMetrics};
 
 pub use pod::{ConnGuard, PodConnections, PodContext};
 pub use resolve::{Resolved, resolve};
+pub use tls_cache::{TlsCache, TlsCacheStats};
 
 /// Trust domain of workloads that do not name one.
 pub const DEFAULT_TRUST_DOMAIN: &str = "cluster.local";
@@ -64,7 +66,10 @@ pub enum ProxyError {
         "cannot read the original destination of a redirected connection: {0} (is the pod's redirection installed with REDIRECT?)"
     )]
     OriginalDst(io::Error),
-    #[error("connection to {0} refused: it would loop back into ztunnel")]
+    #[error(
+        "connection to {0} refused: that port is one of ztunnel's own (15001/15006/15008 in pods, \
+         15000/15020/15021 on the node), never a destination"
+    )]
     Loop(SocketAddr),
     #[error("{addr} is not an address of pod {pod} on this node; refusing (never an open proxy)")]
     NotThisPod { addr: SocketAddr, pod: String },
@@ -165,12 +170,6 @@ impl Default for ProxyConfig {
     }
 }
 
-struct CachedClient {
-    cert: Arc<WorkloadCertificate>,
-    bundle: Arc<TrustBundle>,
-    config: Arc<ClientConfig>,
-}
-
 /// What every pod's proxies share.
 pub struct ProxyContext {
     pub node: String,
@@ -185,7 +184,8 @@ pub struct ProxyContext {
     pub cfg: ProxyConfig,
     /// Inbound connections, rechecked when policy changes.
     pub live: Arc<live::LiveConnections>,
-    client_tls: Mutex<HashMap<(Identity, Identity), CachedClient>>,
+    /// rustls configs per local identity; see [`tls_cache`].
+    pub tls: Arc<TlsCache>,
     /// Round-robin cursor for picking a service's endpoint.
     round_robin: AtomicUsize,
 }
@@ -223,7 +223,7 @@ impl ProxyContext {
             policies,
             cfg,
             live: Arc::default(),
-            client_tls: Mutex::new(HashMap::new()),
+            tls: Arc::default(),
             round_robin: AtomicUsize::new(0),
         }
     }
@@ -232,35 +232,40 @@ impl ProxyContext {
         self.certificates.trust_bundle().borrow().clone()
     }
 
-    /// The client TLS config presenting `cert` and pinning `peer`, cached
-    /// until the certificate or the trust bundle changes.
+    /// Whether `cert` is the one its identity holds now. A connection that
+    /// fetched it just before a renewal or a forget must not put it back
+    /// into the cache after the eviction ran.
+    fn is_current(&self, cert: &Arc<WorkloadCertificate>) -> bool {
+        self.certificates
+            .current(&cert.identity)
+            .is_some_and(|c| Arc::ptr_eq(&c, cert))
+    }
+
+    /// The client TLS config presenting `cert` and pinning `peer` (cached
+    /// while `cert` is current).
     fn client_config(
         &self,
         cert: &Arc<WorkloadCertificate>,
         peer: &Identity,
     ) -> Result<Arc<ClientConfig>, TlsError> {
-        let bundle = self.bundle();
-        let key = (cert.identity.clone(), peer.clone());
-        let mut cache = self
-            .client_tls
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(c) = cache.get(&key)
-            && Arc::ptr_eq(&c.cert, cert)
-            && Arc::ptr_eq(&c.bundle, &bundle)
-        {
-            return Ok(c.config.clone());
+        if self.is_current(cert) {
+            self.tls.client(cert, &self.bundle(), peer)
+        } else {
+            crate::hbone::client_config(cert, &self.bundle(), peer.clone()).map(Arc::new)
         }
-        let config = Arc::new(client_config(cert, &bundle, peer.clone())?);
-        cache.insert(
-            key,
-            CachedClient {
-                cert: cert.clone(),
-                bundle,
-                config: config.clone(),
-            },
-        );
-        Ok(config)
+    }
+
+    /// The HBONE server config presenting `cert` (cached while `cert` is
+    /// current).
+    fn server_config(
+        &self,
+        cert: &Arc<WorkloadCertificate>,
+    ) -> Result<Arc<ServerConfig>, TlsError> {
+        if self.is_current(cert) {
+            self.tls.server(cert, &self.bundle())
+        } else {
+            crate::hbone::server_config(cert, &self.bundle()).map(Arc::new)
+        }
     }
 
     async fn certificate(&self, id: &Identity) -> Result<Arc<WorkloadCertificate>, ProxyError> {

@@ -1,11 +1,11 @@
 //! One enrolled pod as its proxies see it ([`PodContext`]): its identity, a
 //! socket thread inside its netns, its own drain signal (removing a pod
-//! drains only its connections), its cached HBONE server config, and the
+//! drains only its connections), and the
 //! tracking that lets the in-pod manager wait for its connections to end.
 //! The per-pod counterpart of [`super::ProxyContext`].
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use ambit_inpod::{NetnsSockets, SocketOptions};
 use rustls::ServerConfig;
@@ -13,15 +13,8 @@ use tokio::sync::mpsc;
 
 use super::{DEFAULT_TRUST_DOMAIN, ProxyContext, ProxyError, workload_identity};
 use crate::drain::DrainWatcher;
-use crate::hbone::server_config;
-use crate::identity::{Identity, TrustBundle, WorkloadCertificate};
+use crate::identity::Identity;
 use crate::state::{StateSnapshot, Workload};
-
-struct CachedServer {
-    cert: Arc<WorkloadCertificate>,
-    bundle: Arc<TrustBundle>,
-    config: Arc<ServerConfig>,
-}
 
 /// One enrolled pod, as its proxies see it.
 pub struct PodContext {
@@ -33,7 +26,6 @@ pub struct PodContext {
     pub sockets: NetnsSockets,
     /// Fires when the pod is removed or ztunnel drains.
     pub drain: DrainWatcher,
-    server_tls: Mutex<Option<CachedServer>>,
     /// Each connection task holds a clone; the manager waits for all of
     /// them to be dropped when the pod goes.
     tracker: mpsc::Sender<()>,
@@ -84,7 +76,6 @@ impl PodContext {
                 service_account,
                 sockets,
                 drain,
-                server_tls: Mutex::new(None),
                 tracker,
             },
             PodConnections(rx),
@@ -139,37 +130,19 @@ impl PodContext {
             .filter(|w| self.matches_workload(w))
     }
 
-    /// The HBONE server config for this pod's certificate, cached until the
-    /// certificate or the trust bundle changes.
+    /// The HBONE server config for this pod's certificate (cached in the
+    /// shared [`super::TlsCache`] until the certificate or the bundle
+    /// changes, or the identity leaves the node).
     pub(super) async fn server_config(
         &self,
         ctx: &ProxyContext,
     ) -> Result<Arc<ServerConfig>, ProxyError> {
         let id = self.identity(ctx, &ctx.state.load());
         let cert = ctx.certificate(&id).await?;
-        let bundle = ctx.bundle();
-        let mut cached = self
-            .server_tls
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(c) = cached.as_ref()
-            && Arc::ptr_eq(&c.cert, &cert)
-            && Arc::ptr_eq(&c.bundle, &bundle)
-        {
-            return Ok(c.config.clone());
-        }
-        let config = Arc::new(
-            server_config(&cert, &bundle).map_err(|source| ProxyError::Tls {
-                identity: id.clone(),
-                source,
-            })?,
-        );
-        *cached = Some(CachedServer {
-            cert,
-            bundle,
-            config: config.clone(),
-        });
-        Ok(config)
+        ctx.server_config(&cert).map_err(|source| ProxyError::Tls {
+            identity: id,
+            source,
+        })
     }
 
     /// Connects to `dst` from inside the pod, marked so the pod's rules let

@@ -31,7 +31,13 @@ mod yaml;
 use head::{Field, Head};
 
 #[cfg(test)]
+mod gateway_api_tests;
+#[cfg(test)]
+mod istio_traffic_tests;
+#[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod traffic_rejection_tests;
 
 /// Why a document was rejected. Every message ends with what to do.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -86,19 +92,30 @@ pub struct DecodeFailure {
     pub error: DecodeError,
 }
 
-/// Istio kinds we know but do not model yet (accepted and ignored).
-const ISTIO_KINDS_IGNORED: &[&str] = &[
-    "VirtualService",
-    "DestinationRule",
-    "Gateway",
-    "WorkloadGroup",
-    "Sidecar",
-    "EnvoyFilter",
-    "ProxyConfig",
-    "RequestAuthentication",
-    "Telemetry",
-    "WasmPlugin",
-];
+/// `networking.istio.io` kinds we know but do not model (accepted and
+/// ignored). `Gateway` here is Istio's ingress/egress gateway kind, not the
+/// Gateway API's [`Kind::Gateway`].
+const NETWORKING_ISTIO_KINDS_IGNORED: &[&str] =
+    &["Gateway", "WorkloadGroup", "EnvoyFilter", "ProxyConfig"];
+/// `security.istio.io` kinds we know but do not model.
+const SECURITY_ISTIO_KINDS_IGNORED: &[&str] = &["RequestAuthentication"];
+
+/// The kinds of an Istio API group that are accepted and ignored, and the
+/// kinds the group supports (for messages); `None` for other groups, whose
+/// unmodelled kinds are all ignored.
+fn istio_group_kinds(group: &str) -> Option<(&'static [&'static str], &'static str)> {
+    match group {
+        "networking.istio.io" => Some((
+            NETWORKING_ISTIO_KINDS_IGNORED,
+            "ServiceEntry, WorkloadEntry, VirtualService, DestinationRule, Sidecar, Gateway, WorkloadGroup, EnvoyFilter, ProxyConfig",
+        )),
+        "security.istio.io" => Some((
+            SECURITY_ISTIO_KINDS_IGNORED,
+            "AuthorizationPolicy, PeerAuthentication, RequestAuthentication",
+        )),
+        _ => None,
+    }
+}
 
 /// Decodes one YAML document. `line_offset` is the number of lines that
 /// precede `text` in its file, so that line numbers in messages are the
@@ -247,23 +264,20 @@ fn check_head(head: Head) -> Result<Option<ObjectKey>, Box<DecodeFailure>> {
     let Some(api_version) = api_version else {
         return Err(f(None, &ns_s, DecodeError::MissingField("apiVersion")));
     };
+    let group = api_version.rsplit_once('/').map_or("", |(g, _)| g);
+    let ignored = || {
+        debug!(kind = %kind_str, %api_version, name = %name_s, "ignoring a kind the mesh model does not use");
+        Ok(None)
+    };
+    // Checked before the modelled kinds: Istio's Gateway shares its name
+    // with the Gateway API's.
+    if istio_group_kinds(group).is_some_and(|(ignored, _)| ignored.contains(&kind_str.as_str())) {
+        return ignored();
+    }
     let Some(kind) = Kind::from_kind_str(&kind_str) else {
-        let group = api_version.rsplit_once('/').map(|(g, _)| g).unwrap_or("");
-        let (known, supported) = match group {
-            "networking.istio.io" => (
-                ISTIO_KINDS_IGNORED.contains(&kind_str.as_str()),
-                "ServiceEntry, WorkloadEntry, VirtualService, DestinationRule, Gateway, Sidecar, WorkloadGroup",
-            ),
-            "security.istio.io" => (
-                ISTIO_KINDS_IGNORED.contains(&kind_str.as_str()),
-                "AuthorizationPolicy, PeerAuthentication, RequestAuthentication",
-            ),
-            _ => (true, ""),
+        let Some((_, supported)) = istio_group_kinds(group) else {
+            return ignored();
         };
-        if known {
-            debug!(kind = %kind_str, %api_version, name = %name_s, "ignoring a kind the mesh model does not use");
-            return Ok(None);
-        }
         return Err(f(
             None,
             &ns_s,
@@ -331,6 +345,14 @@ fn parse_kind(doc: &impl Document, kind: Kind) -> Result<Object, String> {
         Kind::WorkloadEntry => Object::WorkloadEntry(doc.parse()?),
         Kind::PeerAuthentication => Object::PeerAuthentication(doc.parse()?),
         Kind::AuthorizationPolicy => Object::AuthorizationPolicy(doc.parse()?),
+        Kind::VirtualService => Object::VirtualService(Box::new(doc.parse()?)),
+        Kind::DestinationRule => Object::DestinationRule(Box::new(doc.parse()?)),
+        Kind::Sidecar => Object::Sidecar(Box::new(doc.parse()?)),
+        Kind::Gateway => Object::Gateway(Box::new(doc.parse()?)),
+        Kind::HttpRoute => Object::HttpRoute(Box::new(doc.parse()?)),
+        Kind::GrpcRoute => Object::GrpcRoute(Box::new(doc.parse()?)),
+        Kind::TcpRoute => Object::TcpRoute(Box::new(doc.parse()?)),
+        Kind::Node => Object::Node(doc.parse()?),
     })
 }
 

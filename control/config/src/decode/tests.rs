@@ -23,6 +23,17 @@ fn api_versions_table() {
         ("security.istio.io/v1beta1", "PeerAuthentication", true),
         ("security.istio.io/v1alpha1", "PeerAuthentication", false),
         ("discovery.k8s.io/v1", "EndpointSlice", true),
+        ("networking.istio.io/v1", "VirtualService", true),
+        ("networking.istio.io/v1beta1", "DestinationRule", true),
+        ("networking.istio.io/v1alpha3", "Sidecar", true),
+        ("security.istio.io/v1", "VirtualService", false),
+        ("gateway.networking.k8s.io/v1", "Gateway", true),
+        ("gateway.networking.k8s.io/v1beta1", "HTTPRoute", true),
+        ("gateway.networking.k8s.io/v1alpha2", "HTTPRoute", false),
+        ("gateway.networking.k8s.io/v1", "GRPCRoute", true),
+        ("gateway.networking.k8s.io/v1alpha2", "TCPRoute", true),
+        ("v1", "Gateway", false),
+        ("v1", "Node", true),
     ];
     for (av, kind, ok) in cases {
         let yaml = format!(
@@ -48,8 +59,12 @@ fn ignored_and_unknown_kinds() {
     for yaml in [
         "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n",
         "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d}\n",
-        "apiVersion: networking.istio.io/v1\nkind: VirtualService\nmetadata: {name: v}\n",
-        "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {name: r}\n",
+        "apiVersion: networking.istio.io/v1\nkind: EnvoyFilter\nmetadata: {name: v}\n",
+        "apiVersion: networking.istio.io/v1beta1\nkind: Gateway\nmetadata: {name: ingress}\n",
+        "apiVersion: security.istio.io/v1\nkind: RequestAuthentication\nmetadata: {name: j}\n",
+        "apiVersion: telemetry.istio.io/v1\nkind: Telemetry\nmetadata: {name: t}\n",
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: GatewayClass\nmetadata: {name: c}\n",
+        "apiVersion: gateway.networking.k8s.io/v1beta1\nkind: ReferenceGrant\nmetadata: {name: g}\n",
         "",
         "# only a comment\n",
     ] {

@@ -108,7 +108,20 @@ pub(super) fn validate(obj: &mut Object) -> Result<(), String> {
             }
         }
         Object::AuthorizationPolicy(ap) => validate_policy(ap)?,
-        Object::Namespace(_) | Object::WorkloadEntry(_) | Object::PeerAuthentication(_) => {}
+        // The traffic kinds check themselves while deserializing (their
+        // errors carry the line); cross-object checks are the control
+        // plane's and `ambitctl analyze`'s.
+        Object::Namespace(_)
+        | Object::WorkloadEntry(_)
+        | Object::PeerAuthentication(_)
+        | Object::VirtualService(_)
+        | Object::DestinationRule(_)
+        | Object::Sidecar(_)
+        | Object::Gateway(_)
+        | Object::HttpRoute(_)
+        | Object::GrpcRoute(_)
+        | Object::TcpRoute(_)
+        | Object::Node(_) => {}
     }
     Ok(())
 }

@@ -1,0 +1,276 @@
+//! A waypoint's clusters and endpoints: the internal hop to
+//! `main_internal`, one HBONE-originating cluster per peer identity, and one
+//! EDS cluster per service port whose endpoints are internal addresses
+//! carrying the real destination as metadata.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::cluster::v3::{
+    Cluster,
+    cluster::{
+        ClusterDiscoveryType, DiscoveryType, EdsClusterConfig, LbConfig, LbPolicy,
+        OriginalDstLbConfig,
+    },
+};
+use envoy_types::pb::envoy::config::core::v3::{
+    Address, EnvoyInternalAddress, HealthStatus, Http2ProtocolOptions,
+    HttpProtocolOptions as CommonHttpOptions, Metadata, TransportSocket, address,
+    envoy_internal_address::AddressNameSpecifier, transport_socket::ConfigType,
+};
+use envoy_types::pb::envoy::config::endpoint::v3::{
+    ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint::HostIdentifier,
+};
+use envoy_types::pb::envoy::extensions::transport_sockets::internal_upstream::v3::{
+    InternalUpstreamTransport, internal_upstream_transport::MetadataValueSource,
+};
+use envoy_types::pb::envoy::extensions::transport_sockets::raw_buffer::v3::RawBuffer;
+use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
+    HttpProtocolOptions,
+    http_protocol_options::{
+        ExplicitHttpConfig, UpstreamProtocolOptions, UseDownstreamHttpConfig,
+        explicit_http_config::ProtocolConfig,
+    },
+};
+use envoy_types::pb::envoy::r#type::metadata::v3::{
+    MetadataKey, MetadataKind,
+    metadata_key::{PathSegment, path_segment::Segment},
+    metadata_kind,
+};
+use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind as ValueKind};
+
+use super::envoy::{any, duration, hbone_client_tls, u32_value};
+use super::listeners::{MAIN_INTERNAL, originate_name};
+use super::{CLUSTER_TYPE, ENDPOINT_TYPE, HBONE_PORT, WaypointPlan, cluster_name, policy};
+use crate::model::snapshot::XdsResource;
+
+/// Metadata namespace carrying an endpoint's real address.
+const TUNNEL: &str = "tunnel";
+/// ... and its key.
+const DESTINATION: &str = "destination";
+/// Connect timeout of the HBONE hop to an endpoint's ztunnel.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Typed protocol options key of upstream HTTP options.
+const HTTP_OPTIONS: &str = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
+
+/// Every cluster of the waypoint.
+pub fn clusters(plan: &WaypointPlan) -> Vec<XdsResource> {
+    let mut out = vec![main_internal()];
+    let identities: BTreeSet<&str> = plan
+        .services
+        .iter()
+        .flat_map(|s| s.endpoints.iter().map(|e| e.identity.as_str()))
+        .collect();
+    out.extend(identities.into_iter().map(originate));
+    for svc in &plan.services {
+        for port in &svc.ports {
+            for v in policy::variants(svc.destination_rule.as_ref(), port.port) {
+                out.push(service_cluster(
+                    cluster_name(port.port, &v.subset, &svc.hostname),
+                    port.protocol.is_http(),
+                    &v.policy,
+                ));
+            }
+        }
+    }
+    out.into_iter()
+        .map(|c| XdsResource::new(CLUSTER_TYPE, c.name.clone(), Vec::new(), &c))
+        .collect()
+}
+
+/// Every service cluster's endpoints.
+pub fn endpoints(plan: &WaypointPlan) -> Vec<XdsResource> {
+    let mut out = Vec::new();
+    for svc in &plan.services {
+        for port in &svc.ports {
+            for v in policy::variants(svc.destination_rule.as_ref(), port.port) {
+                let name = cluster_name(port.port, &v.subset, &svc.hostname);
+                let lb_endpoints = svc
+                    .endpoints
+                    .iter()
+                    .filter(|e| {
+                        v.selector
+                            .iter()
+                            .all(|(k, val)| e.labels.get(k) == Some(val))
+                    })
+                    .filter_map(|e| Some((e, e.target_port(port.port)?)))
+                    .map(|(e, target)| tunnel_endpoint(e.ip, target, &e.identity, e.healthy))
+                    .collect();
+                let cla = ClusterLoadAssignment {
+                    cluster_name: name.clone(),
+                    endpoints: vec![LocalityLbEndpoints {
+                        lb_endpoints,
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                };
+                out.push(XdsResource::new(ENDPOINT_TYPE, name, Vec::new(), &cla));
+            }
+        }
+    }
+    out
+}
+
+fn internal_address(listener: String, endpoint_id: String) -> Address {
+    Address {
+        address: Some(address::Address::EnvoyInternalAddress(
+            EnvoyInternalAddress {
+                address_name_specifier: Some(AddressNameSpecifier::ServerListenerName(listener)),
+                endpoint_id,
+            },
+        )),
+    }
+}
+
+/// An endpoint reached through the CONNECT-originating internal listener
+/// of its identity, with its real `ip:port` as metadata.
+fn tunnel_endpoint(ip: std::net::IpAddr, port: u16, identity: &str, healthy: bool) -> LbEndpoint {
+    let destination = std::net::SocketAddr::new(ip, port).to_string();
+    let tunnel = Struct {
+        fields: HashMap::from([(
+            DESTINATION.to_string(),
+            Value {
+                kind: Some(ValueKind::StringValue(destination.clone())),
+            },
+        )]),
+    };
+    LbEndpoint {
+        host_identifier: Some(HostIdentifier::Endpoint(Endpoint {
+            address: Some(internal_address(originate_name(identity), destination)),
+            ..Default::default()
+        })),
+        metadata: Some(Metadata {
+            filter_metadata: HashMap::from([(TUNNEL.to_string(), tunnel)]),
+            ..Default::default()
+        }),
+        health_status: if healthy {
+            HealthStatus::Healthy
+        } else {
+            HealthStatus::Unhealthy
+        } as i32,
+        ..Default::default()
+    }
+}
+
+fn raw_buffer() -> TransportSocket {
+    TransportSocket {
+        name: "envoy.transport_sockets.raw_buffer".to_string(),
+        config_type: Some(ConfigType::TypedConfig(any(&RawBuffer::default()))),
+    }
+}
+
+/// Hands a connection to an internal listener, passing `passthrough` host
+/// metadata namespaces along (and every shared filter state).
+fn internal_upstream(passthrough: &[&str]) -> TransportSocket {
+    let cfg = InternalUpstreamTransport {
+        passthrough_metadata: passthrough
+            .iter()
+            .map(|name| MetadataValueSource {
+                kind: Some(MetadataKind {
+                    kind: Some(metadata_kind::Kind::Host(metadata_kind::Host {})),
+                }),
+                name: name.to_string(),
+            })
+            .collect(),
+        transport_socket: Some(raw_buffer()),
+    };
+    TransportSocket {
+        name: "envoy.transport_sockets.internal_upstream".to_string(),
+        config_type: Some(ConfigType::TypedConfig(any(&cfg))),
+    }
+}
+
+/// The hop from HBONE termination to `main_internal`.
+fn main_internal() -> Cluster {
+    Cluster {
+        name: MAIN_INTERNAL.to_string(),
+        cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Static as i32)),
+        connect_timeout: Some(duration(CONNECT_TIMEOUT)),
+        load_assignment: Some(ClusterLoadAssignment {
+            cluster_name: MAIN_INTERNAL.to_string(),
+            endpoints: vec![LocalityLbEndpoints {
+                lb_endpoints: vec![LbEndpoint {
+                    host_identifier: Some(HostIdentifier::Endpoint(Endpoint {
+                        address: Some(internal_address(MAIN_INTERNAL.to_string(), String::new())),
+                        ..Default::default()
+                    })),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        transport_socket: Some(internal_upstream(&[])),
+        ..Default::default()
+    }
+}
+
+/// HBONE to peers of one identity: the destination comes from the tunnel
+/// metadata, the port is 15008, and the peer certificate must carry exactly
+/// `identity`.
+fn originate(identity: &str) -> Cluster {
+    let http2 = HttpProtocolOptions {
+        upstream_protocol_options: Some(UpstreamProtocolOptions::ExplicitHttpConfig(
+            ExplicitHttpConfig {
+                protocol_config: Some(ProtocolConfig::Http2ProtocolOptions(
+                    Http2ProtocolOptions::default(),
+                )),
+            },
+        )),
+        ..Default::default()
+    };
+    Cluster {
+        name: originate_name(identity),
+        cluster_discovery_type: Some(ClusterDiscoveryType::Type(
+            DiscoveryType::OriginalDst as i32,
+        )),
+        lb_policy: LbPolicy::ClusterProvided as i32,
+        lb_config: Some(LbConfig::OriginalDstLbConfig(OriginalDstLbConfig {
+            metadata_key: Some(MetadataKey {
+                key: TUNNEL.to_string(),
+                path: vec![PathSegment {
+                    segment: Some(Segment::Key(DESTINATION.to_string())),
+                }],
+            }),
+            upstream_port_override: Some(u32_value(HBONE_PORT.into())),
+            ..Default::default()
+        })),
+        connect_timeout: Some(duration(CONNECT_TIMEOUT)),
+        transport_socket: Some(hbone_client_tls(identity)),
+        typed_extension_protocol_options: HashMap::from([(HTTP_OPTIONS.to_string(), any(&http2))]),
+        ..Default::default()
+    }
+}
+
+/// A service port's cluster: endpoints from EDS, each an internal address
+/// of its identity's CONNECT-originating listener. HTTP ports speak to the
+/// endpoint in the client's protocol.
+fn service_cluster(name: String, http: bool, policy: &policy::EffectivePolicy) -> Cluster {
+    let mut cluster = Cluster {
+        name: name.clone(),
+        cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32)),
+        eds_cluster_config: Some(EdsClusterConfig {
+            eds_config: Some(super::envoy::ads()),
+            service_name: name,
+        }),
+        connect_timeout: Some(duration(CONNECT_TIMEOUT)),
+        transport_socket: Some(internal_upstream(&[TUNNEL])),
+        ..Default::default()
+    };
+    let mut common = CommonHttpOptions::default();
+    policy::apply(&mut cluster, http.then_some(&mut common), policy);
+    if http {
+        let downstream = HttpProtocolOptions {
+            common_http_protocol_options: Some(common)
+                .filter(|c| *c != CommonHttpOptions::default()),
+            upstream_protocol_options: Some(UpstreamProtocolOptions::UseDownstreamProtocolConfig(
+                UseDownstreamHttpConfig::default(),
+            )),
+            ..Default::default()
+        };
+        cluster
+            .typed_extension_protocol_options
+            .insert(HTTP_OPTIONS.to_string(), any(&downstream));
+    }
+    cluster
+}

@@ -1,0 +1,299 @@
+//! A waypoint's listeners: HBONE termination on 15008, the internal
+//! listener that dispatches by original destination to one filter chain per
+//! service port, and one internal CONNECT-originating listener per peer
+//! identity.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+
+use envoy_types::pb::envoy::config::core::v3::{
+    Address, CidrRange, SocketAddress, SubstitutionFormatString, address,
+    data_source::Specifier as DataSpecifier, socket_address::PortSpecifier,
+    substitution_format_string::Format,
+};
+use envoy_types::pb::envoy::config::core::v3::{DataSource, Http2ProtocolOptions};
+use envoy_types::pb::envoy::config::listener::v3::{
+    Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter,
+    filter::ConfigType,
+    listener::{InternalListenerConfig, ListenerSpecifier},
+    listener_filter,
+};
+use envoy_types::pb::envoy::config::route::v3::{
+    Route, RouteAction, RouteConfiguration, RouteMatch, VirtualHost,
+    route::Action,
+    route_action::{ClusterSpecifier, UpgradeConfig, upgrade_config::ConnectConfig},
+    route_match::{ConnectMatcher, PathSpecifier},
+};
+use envoy_types::pb::envoy::extensions::filters::common::set_filter_state::v3::{
+    FilterStateValue, filter_state_value,
+};
+use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
+use envoy_types::pb::envoy::extensions::filters::http::set_filter_state::v3::Config as SetFilterState;
+use envoy_types::pb::envoy::extensions::filters::listener::original_dst::v3::OriginalDst;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+    HttpConnectionManager, HttpFilter, Rds,
+    http_connection_manager::{CodecType, RouteSpecifier},
+    http_filter,
+};
+use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{
+    TcpProxy,
+    tcp_proxy::{ClusterSpecifier as TcpCluster, TunnelingConfig},
+};
+
+use super::envoy::{ads, any, hbone_server_tls, u32_value};
+use super::routes::{FAULT_FILTER, route_name};
+use super::{HBONE_PORT, LISTENER_TYPE, WaypointPlan, cluster_name};
+use crate::model::snapshot::XdsResource;
+use envoy_types::pb::envoy::extensions::filters::http::fault::v3::HttpFault;
+
+/// The HBONE-terminating listener.
+pub const CONNECT_TERMINATE: &str = "connect_terminate";
+/// The internal listener (and its cluster) traffic is dispatched on.
+pub const MAIN_INTERNAL: &str = "main_internal";
+/// Prefix of the per-identity CONNECT-originating listeners and clusters.
+pub const CONNECT_ORIGINATE: &str = "connect_originate";
+/// Filter-state key the original-destination listener filter reads on an
+/// internal listener (upstream Envoy's well-known key).
+const ORIGINAL_DST_LOCAL: &str = "envoy.filters.listener.original_dst.local_ip";
+/// ... and the original source.
+const ORIGINAL_DST_REMOTE: &str = "envoy.filters.listener.original_dst.remote_ip";
+
+/// The internal listener (and cluster) that tunnels to peers of `identity`.
+pub fn originate_name(identity: &str) -> String {
+    format!("{CONNECT_ORIGINATE};{identity}")
+}
+
+/// Every listener of the waypoint, sorted by name.
+pub fn listeners(plan: &WaypointPlan, trust_domain: &str) -> Vec<XdsResource> {
+    let mut out = vec![connect_terminate(trust_domain), main_internal(plan)];
+    let identities: BTreeSet<&str> = plan
+        .services
+        .iter()
+        .flat_map(|s| s.endpoints.iter().map(|e| e.identity.as_str()))
+        .collect();
+    out.extend(identities.into_iter().map(connect_originate));
+    out.into_iter()
+        .map(|l| XdsResource::new(LISTENER_TYPE, l.name.clone(), Vec::new(), &l))
+        .collect()
+}
+
+fn named_filter<M: prost::Message + prost::Name>(name: &str, config: &M) -> Filter {
+    Filter {
+        name: name.to_string(),
+        config_type: Some(ConfigType::TypedConfig(any(config))),
+    }
+}
+
+fn http_filter<M: prost::Message + prost::Name>(name: &str, config: &M) -> HttpFilter {
+    HttpFilter {
+        name: name.to_string(),
+        config_type: Some(http_filter::ConfigType::TypedConfig(any(config))),
+        ..Default::default()
+    }
+}
+
+fn format_string(text: &str) -> SubstitutionFormatString {
+    SubstitutionFormatString {
+        format: Some(Format::TextFormatSource(DataSource {
+            specifier: Some(DataSpecifier::InlineString(text.to_string())),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+/// Shares a filter-state value, computed per request, with the upstream
+/// (internal) connection.
+fn shared_state(key: &str, format: &str) -> FilterStateValue {
+    FilterStateValue {
+        key: Some(filter_state_value::Key::ObjectKey(key.to_string())),
+        value: Some(filter_state_value::Value::FormatString(format_string(
+            format,
+        ))),
+        shared_with_upstream: filter_state_value::SharedWithUpstream::Once as i32,
+        ..Default::default()
+    }
+}
+
+/// 0.0.0.0:15008: mTLS from any mesh identity, HTTP/2 CONNECT only; the
+/// tunnel's payload goes to `main_internal` with the CONNECT authority as
+/// its original destination.
+fn connect_terminate(trust_domain: &str) -> Listener {
+    let route = RouteConfiguration {
+        name: CONNECT_TERMINATE.to_string(),
+        virtual_hosts: vec![VirtualHost {
+            name: "connect".to_string(),
+            domains: vec!["*".to_string()],
+            routes: vec![Route {
+                r#match: Some(RouteMatch {
+                    path_specifier: Some(PathSpecifier::ConnectMatcher(ConnectMatcher {})),
+                    ..Default::default()
+                }),
+                action: Some(Action::Route(RouteAction {
+                    cluster_specifier: Some(ClusterSpecifier::Cluster(MAIN_INTERNAL.to_string())),
+                    upgrade_configs: vec![UpgradeConfig {
+                        upgrade_type: "CONNECT".to_string(),
+                        connect_config: Some(ConnectConfig::default()),
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                })),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let set_state = SetFilterState {
+        on_request_headers: vec![
+            shared_state(ORIGINAL_DST_LOCAL, "%REQ(:AUTHORITY)%"),
+            shared_state(ORIGINAL_DST_REMOTE, "%DOWNSTREAM_REMOTE_ADDRESS%"),
+        ],
+        ..Default::default()
+    };
+    let hcm = HttpConnectionManager {
+        stat_prefix: CONNECT_TERMINATE.to_string(),
+        codec_type: CodecType::Http2 as i32,
+        route_specifier: Some(RouteSpecifier::RouteConfig(route)),
+        http_filters: vec![
+            http_filter("envoy.filters.http.set_filter_state", &set_state),
+            http_filter("envoy.filters.http.router", &Router::default()),
+        ],
+        http2_protocol_options: Some(Http2ProtocolOptions {
+            allow_connect: true,
+            // As Istio's ztunnel: at most 100 tunnels per connection.
+            max_concurrent_streams: Some(u32_value(100)),
+            ..Default::default()
+        }),
+        upgrade_configs: vec![
+            envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_connection_manager::UpgradeConfig {
+                upgrade_type: "CONNECT".to_string(),
+                ..Default::default()
+            },
+        ],
+        ..Default::default()
+    };
+    Listener {
+        name: CONNECT_TERMINATE.to_string(),
+        address: Some(socket_address(IpAddr::from([0, 0, 0, 0]), HBONE_PORT)),
+        filter_chains: vec![FilterChain {
+            name: CONNECT_TERMINATE.to_string(),
+            filters: vec![named_filter(
+                "envoy.filters.network.http_connection_manager",
+                &hcm,
+            )],
+            transport_socket: Some(hbone_server_tls(trust_domain)),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+fn socket_address(ip: IpAddr, port: u16) -> Address {
+    Address {
+        address: Some(address::Address::SocketAddress(SocketAddress {
+            address: ip.to_string(),
+            port_specifier: Some(PortSpecifier::PortValue(port.into())),
+            ..Default::default()
+        })),
+    }
+}
+
+fn host_range(ip: IpAddr) -> CidrRange {
+    CidrRange {
+        address_prefix: ip.to_string(),
+        prefix_len: Some(u32_value(if ip.is_ipv4() { 32 } else { 128 })),
+    }
+}
+
+/// The internal listener: the original destination (VIP:port from the
+/// CONNECT authority) picks one filter chain per service port.
+fn main_internal(plan: &WaypointPlan) -> Listener {
+    let mut chains = Vec::new();
+    for svc in plan.services.iter().filter(|s| s.bound) {
+        if svc.vips.is_empty() {
+            continue;
+        }
+        for port in &svc.ports {
+            let cluster = cluster_name(port.port, "", &svc.hostname);
+            let filter = if port.protocol.is_http() {
+                let hcm = HttpConnectionManager {
+                    stat_prefix: format!("{}_{}", svc.hostname, port.port),
+                    codec_type: CodecType::Auto as i32,
+                    route_specifier: Some(RouteSpecifier::Rds(Rds {
+                        config_source: Some(ads()),
+                        route_config_name: route_name(&svc.hostname, port.port),
+                    })),
+                    // Faults are configured per route; the filter must be
+                    // in the chain for them to act.
+                    http_filters: vec![
+                        http_filter(FAULT_FILTER, &HttpFault::default()),
+                        http_filter("envoy.filters.http.router", &Router::default()),
+                    ],
+                    ..Default::default()
+                };
+                named_filter("envoy.filters.network.http_connection_manager", &hcm)
+            } else {
+                let tcp = TcpProxy {
+                    stat_prefix: cluster.clone(),
+                    cluster_specifier: Some(TcpCluster::Cluster(cluster.clone())),
+                    ..Default::default()
+                };
+                named_filter("envoy.filters.network.tcp_proxy", &tcp)
+            };
+            chains.push(FilterChain {
+                name: format!("{}:{}", svc.hostname, port.port),
+                filter_chain_match: Some(FilterChainMatch {
+                    destination_port: Some(u32_value(port.port.into())),
+                    prefix_ranges: svc.vips.iter().map(|ip| host_range(*ip)).collect(),
+                    ..Default::default()
+                }),
+                filters: vec![filter],
+                ..Default::default()
+            });
+        }
+    }
+    Listener {
+        name: MAIN_INTERNAL.to_string(),
+        listener_specifier: Some(ListenerSpecifier::InternalListener(
+            InternalListenerConfig {},
+        )),
+        listener_filters: vec![ListenerFilter {
+            name: "envoy.filters.listener.original_dst".to_string(),
+            config_type: Some(listener_filter::ConfigType::TypedConfig(any(
+                &OriginalDst::default(),
+            ))),
+            ..Default::default()
+        }],
+        filter_chains: chains,
+        ..Default::default()
+    }
+}
+
+/// An internal listener that opens an HBONE tunnel (HTTP/2 CONNECT to the
+/// endpoint named in the connection's `tunnel.destination` metadata) through
+/// the cluster that requires the peer to be `identity`.
+fn connect_originate(identity: &str) -> Listener {
+    let name = originate_name(identity);
+    let tcp = TcpProxy {
+        stat_prefix: CONNECT_ORIGINATE.to_string(),
+        cluster_specifier: Some(TcpCluster::Cluster(name.clone())),
+        tunneling_config: Some(TunnelingConfig {
+            hostname: "%DYNAMIC_METADATA(tunnel:destination)%".to_string(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    Listener {
+        name: name.clone(),
+        listener_specifier: Some(ListenerSpecifier::InternalListener(
+            InternalListenerConfig {},
+        )),
+        filter_chains: vec![FilterChain {
+            name,
+            filters: vec![named_filter("envoy.filters.network.tcp_proxy", &tcp)],
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}

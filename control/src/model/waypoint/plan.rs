@@ -1,0 +1,383 @@
+//! Which services and endpoints each waypoint serves, and how their traffic
+//! is routed, from the store and the workload drafts the workload
+//! translator built (memberships and target ports already resolved there,
+//! so both agree).
+//!
+//! A waypoint is a Gateway API `Gateway` of class `istio-waypoint` or
+//! `ambit-waypoint`. A Service is bound to it by `istio.io/use-waypoint`
+//! (on the Service, else its namespace; `istio.io/use-waypoint-namespace`
+//! for a waypoint elsewhere) when the waypoint handles service traffic
+//! (`istio.io/waypoint-for`: `service`, the default, or `all`). Routing of a
+//! bound service comes from an `HTTPRoute` whose parent is the Service
+//! (GAMMA) or else the first `VirtualService` (by namespace/name) naming
+//! its host; every service a rule sends traffic to gets clusters too, with
+//! the subsets and traffic policy of its `DestinationRule`. Only HBONE
+//! endpoints are served: the waypoint reaches them through their ztunnel.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use ambit_config::gateway_api::WaypointFor;
+use ambit_config::networking::{DestinationRule, VirtualService};
+use ambit_config::objects::Service;
+use ambit_proto::workload::{TunnelProtocol, WorkloadStatus};
+
+use super::rules::{self, RouteRule, RuleAction, qualify};
+use super::{BoundEndpoint, BoundPort, BoundService, Finding, Protocol, WaypointPlan};
+use crate::model::ModelOptions;
+use crate::model::index::{DOMAIN_SUFFIX, WaypointRef, WorkloadDraft, ip_from_bytes, waypoint_ref};
+use crate::model::store::Store;
+
+/// Every Service of the mesh by hostname, with its members.
+struct Catalog<'s> {
+    services: BTreeMap<String, (&'s str, &'s Service)>,
+    /// hostname -> (draft, service port, target port).
+    members: HashMap<String, Vec<(usize, u16, u16)>>,
+}
+
+impl<'s> Catalog<'s> {
+    fn new(store: &'s Store, drafts: &[WorkloadDraft<'_>], keys: &[String]) -> Self {
+        let mut services = BTreeMap::new();
+        for (ns, objs) in store.spaces() {
+            for (name, svc) in &objs.services {
+                services.insert(format!("{name}.{ns}.svc.{DOMAIN_SUFFIX}"), (ns, svc));
+            }
+        }
+        let mut members: HashMap<String, Vec<(usize, u16, u16)>> = HashMap::new();
+        for (i, d) in drafts.iter().enumerate() {
+            for (key, port) in &d.services {
+                let Some(k) = keys.get(*key as usize) else {
+                    continue;
+                };
+                let host = k.split_once('/').map_or(k.as_str(), |(_, h)| h);
+                members.entry(host.to_string()).or_default().push((
+                    i,
+                    port.service_port as u16,
+                    port.target_port as u16,
+                ));
+            }
+        }
+        Self { services, members }
+    }
+}
+
+/// The waypoints of the mesh and what each serves, sorted by namespace and
+/// name.
+pub(crate) fn plan(
+    store: &Store,
+    drafts: &[WorkloadDraft<'_>],
+    keys: &[String],
+    opts: &ModelOptions,
+) -> Vec<WaypointPlan> {
+    let mut plans: BTreeMap<WaypointRef, WaypointPlan> = BTreeMap::new();
+    for (ns, objs) in store.spaces() {
+        for (name, gw) in &objs.gateways {
+            if gw.is_waypoint()
+                && matches!(
+                    gw.waypoint_for(),
+                    Some(WaypointFor::Service | WaypointFor::All)
+                )
+            {
+                let key = WaypointRef {
+                    namespace: ns.to_string(),
+                    name: name.clone(),
+                };
+                plans.insert(
+                    key,
+                    WaypointPlan {
+                        namespace: ns.to_string(),
+                        name: name.clone(),
+                        services: Vec::new(),
+                        findings: Vec::new(),
+                    },
+                );
+            }
+        }
+    }
+    if plans.is_empty() {
+        return Vec::new();
+    }
+    let catalog = Catalog::new(store, drafts, keys);
+    let virtual_services = virtual_services_by_host(store);
+    let destination_rules = destination_rules_by_host(store);
+    for (host, (ns, svc)) in &catalog.services {
+        let ns_labels = store.namespace_labels(ns);
+        let Some(w) = waypoint_ref(ns, ns_labels, &svc.metadata.labels) else {
+            continue;
+        };
+        let Some(plan) = plans.get_mut(&w) else {
+            continue;
+        };
+        let mut bound = bound_service(host, ns, svc, &catalog, drafts, opts, &destination_rules);
+        bound.bound = true;
+        route_service(&mut bound, store, &virtual_services, &mut plan.findings);
+        plan.services.push(bound);
+    }
+    // Services the rules send traffic to get clusters too.
+    for plan in plans.values_mut() {
+        let have: BTreeSet<String> = plan.services.iter().map(|s| s.hostname.clone()).collect();
+        let wanted: BTreeSet<String> = plan
+            .services
+            .iter()
+            .flat_map(|s| s.rules.values().flatten())
+            .flat_map(rule_hosts)
+            .filter(|h| !have.contains(h))
+            .collect();
+        for host in wanted {
+            match catalog.services.get(&host) {
+                Some((ns, svc)) => plan.services.push(bound_service(
+                    &host,
+                    ns,
+                    svc,
+                    &catalog,
+                    drafts,
+                    opts,
+                    &destination_rules,
+                )),
+                None => plan.findings.push(Finding::waypoint(
+                    plan,
+                    format!(
+                        "a route sends traffic to {host}, which is no Service of the mesh; requests for it fail with 503 until it exists — check the host's spelling and namespace"
+                    ),
+                )),
+            }
+        }
+        check_subsets(plan);
+    }
+    plans.into_values().collect()
+}
+
+fn rule_hosts(r: &RouteRule) -> Vec<String> {
+    match &r.action {
+        RuleAction::Forward(f) => f
+            .destinations
+            .iter()
+            .map(|d| d.host.clone())
+            .chain(f.mirrors.iter().map(|m| m.destination.host.clone()))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// VirtualServices that apply to mesh traffic, by qualified host, in
+/// namespace/name order (the first one claiming a host wins).
+fn virtual_services_by_host(store: &Store) -> BTreeMap<String, Vec<&VirtualService>> {
+    let mut out: BTreeMap<String, Vec<&VirtualService>> = BTreeMap::new();
+    for (ns, objs) in store.spaces() {
+        for vs in objs.virtual_services.values() {
+            if !vs.spec.applies_to_mesh() {
+                continue;
+            }
+            for h in &vs.spec.hosts {
+                out.entry(qualify(h, ns)).or_default().push(vs);
+            }
+        }
+    }
+    out
+}
+
+fn destination_rules_by_host(store: &Store) -> BTreeMap<String, Vec<&DestinationRule>> {
+    let mut out: BTreeMap<String, Vec<&DestinationRule>> = BTreeMap::new();
+    for (ns, objs) in store.spaces() {
+        for dr in objs.destination_rules.values() {
+            out.entry(qualify(&dr.spec.host, ns)).or_default().push(dr);
+        }
+    }
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bound_service(
+    host: &str,
+    ns: &str,
+    svc: &Service,
+    catalog: &Catalog<'_>,
+    drafts: &[WorkloadDraft<'_>],
+    opts: &ModelOptions,
+    destination_rules: &BTreeMap<String, Vec<&DestinationRule>>,
+) -> BoundService {
+    let ports = svc
+        .spec
+        .ports
+        .iter()
+        .map(|p| BoundPort {
+            port: p.port,
+            name: p.name.clone(),
+            protocol: Protocol::infer(p.app_protocol.as_deref(), &p.name),
+        })
+        .collect();
+    let endpoints = catalog
+        .members
+        .get(host)
+        .map(|m| endpoints(drafts, m, opts))
+        .unwrap_or_default();
+    BoundService {
+        namespace: ns.to_string(),
+        name: svc.metadata.name.clone(),
+        hostname: host.to_string(),
+        vips: svc.spec.vips.clone(),
+        ports,
+        endpoints,
+        bound: false,
+        rules: BTreeMap::new(),
+        destination_rule: destination_rules
+            .get(host)
+            .and_then(|v| v.first())
+            .map(|dr| (*dr).clone()),
+    }
+}
+
+/// The routing rules of each HTTP port of a bound service.
+fn route_service(
+    svc: &mut BoundService,
+    store: &Store,
+    virtual_services: &BTreeMap<String, Vec<&VirtualService>>,
+    findings: &mut Vec<Finding>,
+) {
+    let routes: Vec<_> = store
+        .spaces()
+        .flat_map(|(ns, objs)| objs.http_routes.values().map(move |r| (ns, r)))
+        .filter(|(ns, r)| {
+            r.service_parents().any(|p| {
+                p.name == svc.name && p.namespace.as_deref().unwrap_or(ns) == svc.namespace
+            })
+        })
+        .map(|(_, r)| r)
+        .collect();
+    let claims = virtual_services.get(&svc.hostname);
+    if let Some(vss) = claims.filter(|v| v.len() > 1) {
+        let names: Vec<String> = vss
+            .iter()
+            .map(|v| format!("{}/{}", v.metadata.namespace, v.metadata.name))
+            .collect();
+        findings.push(Finding {
+            kind: "VirtualService".into(),
+            namespace: vss[1].metadata.namespace.clone(),
+            name: vss[1].metadata.name.clone(),
+            reason: format!(
+                "{} VirtualServices claim host {}: {}; only the first ({}) is used — merge them into one",
+                names.len(),
+                svc.hostname,
+                names.join(", "),
+                names[0]
+            ),
+        });
+    }
+    let vs = claims.and_then(|v| v.first()).copied();
+    if let (Some(vs), Some(route)) = (vs, routes.first()) {
+        findings.push(Finding {
+            kind: "VirtualService".into(),
+            namespace: vs.metadata.namespace.clone(),
+            name: vs.metadata.name.clone(),
+            reason: format!(
+                "HTTPRoute {}/{} is attached to Service {}/{} too; the HTTPRoute is used and this VirtualService ignored for it",
+                route.metadata.namespace, route.metadata.name, svc.namespace, svc.name
+            ),
+        });
+    }
+    for port in svc.ports.iter().filter(|p| p.protocol.is_http()) {
+        let rules = if let Some(route) = routes.first() {
+            rules::from_http_route(route)
+        } else if let Some(vs) = vs {
+            rules::from_virtual_service(vs, port.port)
+        } else {
+            Vec::new()
+        };
+        if !rules.is_empty() {
+            svc.rules.insert(port.port, rules);
+        }
+    }
+}
+
+/// A route to a subset no DestinationRule defines falls back to every
+/// endpoint of the service (traffic keeps flowing while the rule is on its
+/// way: the VirtualService-before-DestinationRule order mistake) and is
+/// reported.
+fn check_subsets(plan: &mut WaypointPlan) {
+    let defined: HashMap<&str, BTreeSet<&str>> = plan
+        .services
+        .iter()
+        .map(|s| {
+            let subsets = s
+                .destination_rule
+                .as_ref()
+                .map(|d| d.spec.subsets.iter().map(|x| x.name.as_str()).collect())
+                .unwrap_or_default();
+            (s.hostname.as_str(), subsets)
+        })
+        .collect();
+    let mut findings = Vec::new();
+    for svc in &plan.services {
+        for (rule, d) in svc.rules.values().flatten().flat_map(|r| match &r.action {
+            RuleAction::Forward(f) => f.destinations.iter().map(|d| (r, d)).collect::<Vec<_>>(),
+            _ => Vec::new(),
+        }) {
+            if d.subset.is_empty()
+                || defined
+                    .get(d.host.as_str())
+                    .is_some_and(|s| s.contains(d.subset.as_str()))
+            {
+                continue;
+            }
+            findings.push(Finding {
+                kind: "Service".into(),
+                namespace: svc.namespace.clone(),
+                name: svc.name.clone(),
+                reason: format!(
+                    "route {} sends traffic to subset {:?} of {}, which no DestinationRule defines; until one does, that share goes to every endpoint of {} — apply the DestinationRule (kubectl apply the DestinationRule before the VirtualService)",
+                    rule.name, d.subset, d.host, d.host
+                ),
+            });
+        }
+    }
+    plan.findings.extend(findings);
+}
+
+/// The HBONE endpoints among a service's members, one per workload.
+fn endpoints(
+    drafts: &[WorkloadDraft<'_>],
+    members: &[(usize, u16, u16)],
+    opts: &ModelOptions,
+) -> Vec<BoundEndpoint> {
+    let mut by_draft: BTreeMap<usize, Vec<(u16, u16)>> = BTreeMap::new();
+    for (i, sp, tp) in members {
+        by_draft.entry(*i).or_default().push((*sp, *tp));
+    }
+    let mut out = Vec::new();
+    for (i, ports) in by_draft {
+        let Some(d) = drafts.get(i) else {
+            continue;
+        };
+        let w = &d.w;
+        if w.tunnel_protocol != TunnelProtocol::Hbone as i32 {
+            continue;
+        }
+        let Some(ip) = w.addresses.first().and_then(|a| ip_from_bytes(a)) else {
+            continue;
+        };
+        let sa = if w.service_account.is_empty() {
+            "default"
+        } else {
+            w.service_account.as_str()
+        };
+        out.push(BoundEndpoint {
+            ip,
+            ports,
+            identity: format!("spiffe://{}/ns/{}/sa/{sa}", opts.trust_domain, w.namespace),
+            labels: draft_labels(d),
+            healthy: w.status != WorkloadStatus::Unhealthy as i32,
+        });
+    }
+    out.sort_by_key(|e| e.ip);
+    out
+}
+
+/// The labels a DestinationRule subset selects by: the workload's own,
+/// behind them a WorkloadEntry's metadata labels.
+fn draft_labels(d: &WorkloadDraft<'_>) -> ambit_config::objects::Labels {
+    let Some(view) = d.selectable else {
+        return Default::default();
+    };
+    let mut out = view.extra.cloned().unwrap_or_default();
+    out.extend(view.labels.iter().map(|(k, v)| (k.clone(), v.clone())));
+    out
+}

@@ -1,0 +1,1 @@
+//! Envoy resources of a hand-built waypoint plan.
