@@ -91,19 +91,29 @@ pub struct Plane {
 }
 
 impl Plane {
-    /// Starts it; certificates live at most `max_ttl`.
+    /// Serves [`MESH_YAML`] with [`EmptyEnvoyGenerator`] for waypoints;
+    /// certificates live at most `max_ttl`.
     pub async fn start(max_ttl: Duration) -> Result<Plane> {
+        let mut generators = Generators::standard();
+        generators.register(Arc::new(EmptyEnvoyGenerator));
+        Plane::start_with(MESH_YAML, max_ttl, generators).await
+    }
+
+    /// Serves `yaml` with `generators`.
+    pub async fn start_with(
+        yaml: &str,
+        max_ttl: Duration,
+        generators: Generators,
+    ) -> Result<Plane> {
         let dir = tempfile::tempdir().context("temp dir")?;
         let config = dir.path().join("config");
         std::fs::create_dir_all(&config)?;
-        std::fs::write(config.join("mesh.yaml"), MESH_YAML)?;
+        std::fs::write(config.join("mesh.yaml"), yaml)?;
         std::fs::write(dir.path().join("node-tokens"), "token-1 node-1\n")?;
         std::fs::write(dir.path().join("token"), "token-1\n")?;
         let mut cfg = ControlConfig::for_tests(config, dir.path().join("cp"));
         cfg.node_tokens_file = Some(dir.path().join("node-tokens"));
         cfg.max_cert_ttl_secs = max_ttl.as_secs();
-        let mut generators = Generators::standard();
-        generators.register(Arc::new(EmptyEnvoyGenerator));
         let cp = ControlPlane::start_with_generators(cfg, generators)
             .await
             .context("starting the control plane")?;
@@ -254,13 +264,33 @@ pub struct Agent {
     _dir: tempfile::TempDir,
 }
 
-/// Flags of one agent run beyond the bed's defaults.
-#[derive(Debug, Clone, Default)]
+/// Flags of one agent run.
+#[derive(Debug, Clone)]
 pub struct AgentOptions {
     /// `https://…` of the control plane.
     pub xds_address: String,
     /// `--ca-address`, when not the xDS address.
     pub ca_address: Option<String>,
+    /// The waypoint pod: service account, name, IP, Gateway (all in `shop`
+    /// on `node-1`).
+    pub service_account: String,
+    pub pod_name: String,
+    pub pod_ip: String,
+    pub gateway: String,
+}
+
+impl AgentOptions {
+    /// The waypoint of [`MESH_YAML`] (`wp-0`, service account and Gateway `wp`).
+    pub fn new(xds_address: String) -> AgentOptions {
+        AgentOptions {
+            xds_address,
+            ca_address: None,
+            service_account: "wp".into(),
+            pod_name: "wp-0".into(),
+            pod_ip: "10.9.0.7".into(),
+            gateway: "wp".into(),
+        }
+    }
 }
 
 impl Agent {
@@ -280,18 +310,16 @@ impl Agent {
                 "waypoint",
                 "--namespace",
                 "shop",
-                "--service-account",
-                "wp",
-            ])
-            .args([
-                "--pod-name",
-                "wp-0",
-                "--pod-ip",
-                "10.9.0.7",
                 "--node-name",
                 "node-1",
             ])
-            .args(["--labels", "gateway.networking.k8s.io/gateway-name=wp"])
+            .args(["--service-account", &opts.service_account])
+            .args(["--pod-name", &opts.pod_name, "--pod-ip", &opts.pod_ip])
+            .arg("--labels")
+            .arg(format!(
+                "gateway.networking.k8s.io/gateway-name={}",
+                opts.gateway
+            ))
             .args(["--xds-address", &opts.xds_address])
             .arg("--root-cert")
             .arg(plane.root_cert())

