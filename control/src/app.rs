@@ -26,7 +26,7 @@ use crate::debug::DebugState;
 use crate::model::snapshot::Snapshot;
 use crate::model::spawn_model;
 use crate::source::file::{FileSource, FileSourceError, spawn_file_source};
-use crate::xds::{ProxyRegistry, XdsAccess, XdsMetrics, XdsServer};
+use crate::xds::{Generators, ProxyRegistry, XdsAccess, XdsMetrics, XdsServer};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -75,6 +75,15 @@ impl ControlPlane {
     /// Binds every listener, loads the config directory and starts serving.
     /// Returns once the first snapshot of the config is published.
     pub async fn start(cfg: ControlConfig) -> Result<Self, AppError> {
+        Self::start_with_generators(cfg, Generators::standard()).await
+    }
+
+    /// [`ControlPlane::start`] with the given xDS generators (tests and
+    /// embedders that serve a proxy kind the standard set does not).
+    pub async fn start_with_generators(
+        cfg: ControlConfig,
+        generators: Generators,
+    ) -> Result<Self, AppError> {
         let xds_listener = bind("xDS (plaintext gRPC)", cfg.xds_plaintext_addr).await?;
         let tls_listener = bind("xDS + CA (TLS gRPC)", cfg.xds_tls_addr).await?;
         let mon_listener = bind("monitoring (HTTP)", cfg.monitoring_addr).await?;
@@ -105,8 +114,9 @@ impl ControlPlane {
             snapshots.clone(),
             CaMetrics::register(&mut registry),
         )?;
-        let xds = XdsServer::new(
+        let xds = XdsServer::with_generators(
             snapshots.clone(),
+            generators,
             XdsAccess::new(
                 authenticator.clone(),
                 CaServiceOptions::default().node_proxy_identities,

@@ -2,6 +2,7 @@
 //! fixture directories, in-process control planes, tiny HTTP client.
 #![forbid(unsafe_code)]
 
+pub mod agentbed;
 pub mod enrollbed;
 pub mod envoy;
 pub mod h2raw;

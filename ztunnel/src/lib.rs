@@ -20,9 +20,13 @@
 //!   [`rbac`]: L4 authorization; [`drain`]: graceful shutdown.
 //! * [`metrics`] (`/metrics`) and [`admin`] (`/config_dump`, `/logging`,
 //!   readiness); [`app`] wires everything together.
+//! * [`agent`]: the second binary, `ambit-agent`, beside each upstream Envoy
+//!   (waypoint or sidecar): the same [`identity`] manager, SDS on a unix
+//!   socket, Envoy's bootstrap, supervision, readiness and merged metrics.
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod agent;
 pub mod app;
 pub mod config;
 pub mod control_channel;

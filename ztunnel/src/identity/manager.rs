@@ -175,20 +175,7 @@ impl CertificateManager {
     /// call. Fails fast with the last error when the CA failed and no
     /// unexpired certificate is left (retries continue in the background).
     pub async fn fetch(&self, id: &Identity) -> Result<Arc<WorkloadCertificate>, IdentityError> {
-        let existing = self.view.get(id);
-        let mut rx = match existing {
-            Some(rx) => rx,
-            None => {
-                let (reply, wait) = oneshot::channel();
-                self.commands
-                    .send(Command::Ensure {
-                        id: id.clone(),
-                        reply: Some(reply),
-                    })
-                    .map_err(|_| IdentityError::Shutdown)?;
-                wait.await.map_err(|_| IdentityError::Shutdown)?
-            }
-        };
+        let mut rx = self.watch_identity(id).await?;
         loop {
             {
                 let state = rx.borrow_and_update();
@@ -208,6 +195,27 @@ impl CertificateManager {
                 });
             }
         }
+    }
+
+    /// Starts managing `id` (if not yet) and returns the watch its worker
+    /// writes: every issuance, renewal and failure, as they happen. The
+    /// Envoy agent follows its one identity this way to push renewals over
+    /// SDS.
+    pub(crate) async fn watch_identity(
+        &self,
+        id: &Identity,
+    ) -> Result<watch::Receiver<CertificateState>, IdentityError> {
+        if let Some(rx) = self.view.get(id) {
+            return Ok(rx);
+        }
+        let (reply, wait) = oneshot::channel();
+        self.commands
+            .send(Command::Ensure {
+                id: id.clone(),
+                reply: Some(reply),
+            })
+            .map_err(|_| IdentityError::Shutdown)?;
+        wait.await.map_err(|_| IdentityError::Shutdown)
     }
 
     /// Starts fetching certificates for `ids` (the pods on this node) in the

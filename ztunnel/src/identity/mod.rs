@@ -44,6 +44,7 @@ pub use cert::{TrustBundle, WorkloadCertificate};
 pub use dump::CertificateDump;
 pub use manager::{CertificateManager, IdentityConfig};
 pub use metrics::IdentityMetrics;
+pub(crate) use view::CertificateState;
 pub use view::CertificateView;
 
 /// Errors of the identity module.
