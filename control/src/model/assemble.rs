@@ -7,13 +7,16 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::index::LABEL_GATEWAY_NAME;
 use super::index::WorkloadDraft;
 use super::snapshot::{ResourceFamily, Snapshot, XdsResource};
-use super::store::Store;
+use super::store::{NamespaceObjects, Store};
 use super::waypoint::{self, WaypointPlan};
 use super::workloads::NsCx;
 use super::{ConfigError, ModelOptions};
 use super::{authz, encode, peer_authn};
+use ambit_config::objects::{Labels, Service, ServicePort};
+use std::collections::BTreeMap;
 
 /// Translated, encoded resources.
 #[derive(Debug, Default)]
@@ -30,8 +33,10 @@ pub fn translate(store: &Store, opts: &ModelOptions) -> Translated {
     let mut out = Translated::default();
     let mut root_policies = Vec::new();
     let mut keys: Vec<String> = Vec::new();
+    let with_waypoint_services = waypoint_services(store);
     for (ns, objs) in store.spaces() {
         let ns_labels = store.namespace_labels(ns);
+        let objs = with_waypoint_services.get(ns).unwrap_or(objs);
         let cx = NsCx::new(ns, ns_labels, objs, opts);
         let index = cx.translate(&mut wls, &mut keys, &mut out.addresses);
         authz::translate_namespace(
@@ -51,6 +56,54 @@ pub fn translate(store: &Store, opts: &ModelOptions) -> Translated {
         out.addresses.push(encode::workload_resource(wl, &keys));
     }
     out
+}
+
+/// The namespaces where a waypoint Gateway has no Service of its name, with
+/// one added: headless, selecting the Gateway's pods, port 15008 — so
+/// ztunnels find the waypoint by its hostname (`<gateway>.<ns>.svc...`)
+/// however its pods were started (Kubernetes creates such a Service with
+/// the waypoint's Deployment; local mode and bare configs may not).
+fn waypoint_services(store: &Store) -> BTreeMap<String, NamespaceObjects> {
+    let mut out = BTreeMap::new();
+    for (ns, objs) in store.spaces() {
+        let missing: Vec<&String> = objs
+            .gateways
+            .iter()
+            .filter(|(name, gw)| gw.is_waypoint() && !objs.services.contains_key(*name))
+            .map(|(name, _)| name)
+            .collect();
+        if missing.is_empty() {
+            continue;
+        }
+        let mut with = objs.clone();
+        for name in missing {
+            with.services
+                .insert(name.clone(), waypoint_service(ns, name));
+        }
+        out.insert(ns.to_string(), with);
+    }
+    out
+}
+
+fn waypoint_service(ns: &str, name: &str) -> Service {
+    let mut svc = Service::default();
+    svc.metadata.name = name.to_string();
+    svc.metadata.namespace = ns.to_string();
+    svc.metadata
+        .labels
+        .insert(LABEL_GATEWAY_NAME.to_string(), name.to_string());
+    svc.spec.cluster_ip = "None".to_string();
+    svc.spec.selector = Some(Labels::from([(
+        LABEL_GATEWAY_NAME.to_string(),
+        name.to_string(),
+    )]));
+    svc.spec.ports = vec![ServicePort {
+        name: "mesh".to_string(),
+        port: waypoint::HBONE_PORT,
+        app_protocol: Some("all".to_string()),
+        ..Default::default()
+    }];
+    svc
 }
 
 /// Translates `store` into a new snapshot following `prev`: `seq` is

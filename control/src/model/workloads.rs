@@ -18,8 +18,8 @@ use ambit_proto::workload::{
 
 use super::ModelOptions;
 use super::index::{
-    Backing, DOMAIN_SUFFIX, HBONE_PORT, LabelIndex, LabelView, WorkloadDraft, ip_bytes,
-    ip_from_bytes, waypoint_ref,
+    Backing, DOMAIN_SUFFIX, HBONE_PORT, LABEL_GATEWAY_NAME, LabelIndex, LabelView, WorkloadDraft,
+    ip_bytes, ip_from_bytes, waypoint_ref,
 };
 use super::snapshot::XdsResource;
 use super::store::NamespaceObjects;
@@ -166,6 +166,15 @@ impl<'a> NsCx<'a> {
         }
     }
 
+    /// A pod of a waypoint Gateway of this namespace (its
+    /// `gateway.networking.k8s.io/gateway-name` label names one).
+    fn is_waypoint_pod(&self, labels: &Labels) -> bool {
+        labels
+            .get(LABEL_GATEWAY_NAME)
+            .and_then(|g| self.objs.gateways.get(g))
+            .is_some_and(|g| g.is_waypoint())
+    }
+
     /// Builds the pods' and WorkloadEntries' workloads and the namespace's
     /// label index over them.
     fn workloads(&self, wls: &mut Vec<WorkloadDraft<'a>>) -> LabelIndex<'a> {
@@ -191,7 +200,9 @@ impl<'a> NsCx<'a> {
                 .metadata
                 .annotations
                 .contains_key("sidecar.istio.io/status");
-            if !sidecar && is_enrolled(self.ns_labels, labels) {
+            // Enrolled pods get HBONE from their ztunnel; a waypoint's
+            // Envoy speaks HBONE itself (its pod is not captured).
+            if !sidecar && (is_enrolled(self.ns_labels, labels) || self.is_waypoint_pod(labels)) {
                 w.tunnel_protocol = TunnelProtocol::Hbone as i32;
             }
             w.waypoint = waypoint_for(self.ns, self.ns_labels, labels);
