@@ -67,7 +67,13 @@ async fn hbone_peer(certs: &CertificateManager, peer: &Identity) -> SocketAddr {
             let server = server.clone();
             tokio::spawn(async move {
                 let _ = server
-                    .serve(tcp, |_| Ok(()), |_, s| async move { drop(s) })
+                    .serve(
+                        tcp,
+                        |_| Ok(()),
+                        |_, pending| async move {
+                            let _ = pending.accept();
+                        },
+                    )
                     .await;
             });
         }
