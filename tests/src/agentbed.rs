@@ -43,10 +43,12 @@ const TYPES: &[TypeSpec] = &[
     TypeSpec {
         type_url: CLUSTER,
         label: "cluster",
+        resend_with: None,
     },
     TypeSpec {
         type_url: LISTENER,
         label: "listener",
+        resend_with: None,
     },
 ];
 
