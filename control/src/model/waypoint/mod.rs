@@ -28,6 +28,7 @@
 
 use std::net::IpAddr;
 
+pub mod authz;
 mod clusters;
 mod envoy;
 mod listeners;
