@@ -29,12 +29,15 @@ enum Command {
     /// background processes. Needs root.
     #[command(subcommand)]
     Local(commands::local::LocalCmd),
+    /// Finds config mistakes before they bite, in files or the live mesh.
+    Analyze(commands::analyze::AnalyzeArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Local(cmd) => commands::local::run(cmd),
+        Command::Analyze(args) => commands::analyze::run(args),
     };
     match result {
         Ok(code) => code,

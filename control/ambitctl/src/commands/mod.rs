@@ -3,6 +3,7 @@
 //! (`ambitctl::<family>`). Shared here: the output format flag and writing
 //! to stdout.
 
+pub mod analyze;
 pub mod local;
 
 use clap::ValueEnum;
@@ -12,6 +13,7 @@ use clap::ValueEnum;
 pub enum Format {
     Table,
     Json,
+    Yaml,
 }
 
 /// Writes to stdout; a closed pipe (`| head`) is not an error.
