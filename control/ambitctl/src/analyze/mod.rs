@@ -29,7 +29,7 @@ mod source;
 
 pub use message::{Code, Message, Origin, Resource, Severity};
 pub use render::{render_json, render_table, render_yaml};
-pub use source::{Document, Files, LocalMesh, Source};
+pub use source::{Document, Files, LocalMesh, Source, documents_from_text};
 
 /// The annotation that suppresses messages about its resource (Istio's).
 pub const SUPPRESS_ANNOTATION: &str = "galley.istio.io/analyze-suppress";
@@ -221,16 +221,26 @@ impl Mesh {
                     objects.push(obj.clone());
                     by_key.insert(key, doc);
                 }
-                Err(f) => messages.push(Message::new(
-                    message::SCHEMA,
-                    Resource {
-                        kind: f.kind.clone(),
-                        namespace: f.namespace.clone(),
-                        name: f.name.clone(),
-                    },
-                    doc.origin.clone(),
-                    f.error.to_string(),
-                )),
+                Err(f) => {
+                    let text = f.error.to_string();
+                    // The decoder names the failing line: point there.
+                    let origin = doc.origin.clone().map(|mut o| {
+                        if let Some(l) = line_in(&text) {
+                            o.line = l;
+                        }
+                        o
+                    });
+                    messages.push(Message::new(
+                        message::SCHEMA,
+                        Resource {
+                            kind: f.kind.clone(),
+                            namespace: f.namespace.clone(),
+                            name: f.name.clone(),
+                        },
+                        origin,
+                        text,
+                    ));
+                }
             }
         }
         let store = Store::from_objects(objects.clone());
@@ -303,6 +313,13 @@ impl Mesh {
             .iter()
             .filter_map(|o| self.docs.get(&o.key()).map(|d| (o, d)))
     }
+}
+
+/// `N` of the first `at line N` in a decoder message.
+fn line_in(text: &str) -> Option<usize> {
+    let rest = &text[text.find("at line ")? + "at line ".len()..];
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok().filter(|l| *l > 0)
 }
 
 pub(crate) fn resource_of(key: &ObjectKey) -> Resource {

@@ -104,6 +104,14 @@ impl Document {
     }
 }
 
+/// The documents of one YAML file's text, named `file` in messages.
+pub fn documents_from_text(file: &str, text: &str) -> Vec<Document> {
+    split_documents(text)
+        .into_iter()
+        .map(|d| Document::from_yaml(file, d.line, d.offset, &d.text))
+        .collect()
+}
+
 /// Anything `analyze` can read objects from.
 pub trait Source {
     /// For messages: `files a.yaml, dir/`, `local mesh ambit (dir)`.
@@ -179,10 +187,7 @@ fn read_file(file: &Path, out: &mut Vec<Document>) -> Result<(), AnalyzeError> {
         ));
         return Ok(());
     };
-    let name = file.display().to_string();
-    for doc in split_documents(&text) {
-        out.push(Document::from_yaml(&name, doc.line, doc.offset, &doc.text));
-    }
+    out.extend(documents_from_text(&file.display().to_string(), &text));
     Ok(())
 }
 
