@@ -16,5 +16,7 @@
 
 pub mod analyze;
 mod config;
+pub mod http;
 pub mod local;
+pub mod proxy_status;
 pub mod table;

@@ -31,6 +31,8 @@ enum Command {
     Local(commands::local::LocalCmd),
     /// Finds config mistakes before they bite, in files or the live mesh.
     Analyze(commands::analyze::AnalyzeArgs),
+    /// Every connected proxy and whether it took what it was sent.
+    ProxyStatus(commands::proxy_status::ProxyStatusArgs),
 }
 
 fn main() -> ExitCode {
@@ -38,6 +40,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Local(cmd) => commands::local::run(cmd),
         Command::Analyze(args) => commands::analyze::run(args),
+        Command::ProxyStatus(args) => commands::proxy_status::run(args),
     };
     match result {
         Ok(code) => code,
