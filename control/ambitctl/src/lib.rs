@@ -18,5 +18,7 @@ pub mod analyze;
 mod config;
 pub mod http;
 pub mod local;
+pub mod metrics;
 pub mod proxy_status;
 pub mod table;
+pub mod ztunnel_config;

@@ -33,6 +33,9 @@ enum Command {
     Analyze(commands::analyze::AnalyzeArgs),
     /// Every connected proxy and whether it took what it was sent.
     ProxyStatus(commands::proxy_status::ProxyStatusArgs),
+    /// What a ztunnel holds: workloads, services, policies, certificates,
+    /// and the connections it carried.
+    ZtunnelConfig(commands::ztunnel_config::ZtunnelConfigArgs),
 }
 
 fn main() -> ExitCode {
@@ -41,6 +44,7 @@ fn main() -> ExitCode {
         Command::Local(cmd) => commands::local::run(cmd),
         Command::Analyze(args) => commands::analyze::run(args),
         Command::ProxyStatus(args) => commands::proxy_status::run(args),
+        Command::ZtunnelConfig(args) => commands::ztunnel_config::run(args),
     };
     match result {
         Ok(code) => code,

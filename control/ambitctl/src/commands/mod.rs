@@ -6,6 +6,7 @@
 pub mod analyze;
 pub mod local;
 pub mod proxy_status;
+pub mod ztunnel_config;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
