@@ -15,6 +15,7 @@
 #![forbid(unsafe_code)]
 
 pub mod analyze;
+pub mod authn;
 mod config;
 pub mod http;
 pub mod local;

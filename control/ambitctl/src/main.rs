@@ -36,6 +36,9 @@ enum Command {
     /// What a ztunnel holds: workloads, services, policies, certificates,
     /// and the connections it carried.
     ZtunnelConfig(commands::ztunnel_config::ZtunnelConfigArgs),
+    /// Authentication checks.
+    #[command(subcommand)]
+    Authn(commands::authn::AuthnCmd),
 }
 
 fn main() -> ExitCode {
@@ -45,6 +48,7 @@ fn main() -> ExitCode {
         Command::Analyze(args) => commands::analyze::run(args),
         Command::ProxyStatus(args) => commands::proxy_status::run(args),
         Command::ZtunnelConfig(args) => commands::ztunnel_config::run(args),
+        Command::Authn(cmd) => commands::authn::run(cmd),
     };
     match result {
         Ok(code) => code,

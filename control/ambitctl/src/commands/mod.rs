@@ -4,6 +4,7 @@
 //! to stdout.
 
 pub mod analyze;
+pub mod authn;
 pub mod local;
 pub mod proxy_status;
 pub mod ztunnel_config;
