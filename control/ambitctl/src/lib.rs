@@ -20,6 +20,7 @@ mod config;
 pub mod http;
 pub mod local;
 pub mod metrics;
+pub mod proxy_config;
 pub mod proxy_status;
 pub mod table;
 pub mod ztunnel_config;

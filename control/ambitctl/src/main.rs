@@ -33,6 +33,9 @@ enum Command {
     Analyze(commands::analyze::AnalyzeArgs),
     /// Every connected proxy and whether it took what it was sent.
     ProxyStatus(commands::proxy_status::ProxyStatusArgs),
+    /// What an Envoy (waypoint or sidecar) holds: routes, clusters,
+    /// listeners, endpoints, secrets.
+    ProxyConfig(commands::proxy_config::ProxyConfigArgs),
     /// What a ztunnel holds: workloads, services, policies, certificates,
     /// and the connections it carried.
     ZtunnelConfig(commands::ztunnel_config::ZtunnelConfigArgs),
@@ -47,6 +50,7 @@ fn main() -> ExitCode {
         Command::Local(cmd) => commands::local::run(cmd),
         Command::Analyze(args) => commands::analyze::run(args),
         Command::ProxyStatus(args) => commands::proxy_status::run(args),
+        Command::ProxyConfig(args) => commands::proxy_config::run(args),
         Command::ZtunnelConfig(args) => commands::ztunnel_config::run(args),
         Command::Authn(cmd) => commands::authn::run(cmd),
     };

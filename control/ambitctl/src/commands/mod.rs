@@ -6,6 +6,7 @@
 pub mod analyze;
 pub mod authn;
 pub mod local;
+pub mod proxy_config;
 pub mod proxy_status;
 pub mod ztunnel_config;
 
