@@ -102,7 +102,7 @@ pub fn section(dump: &Value, section: Section) -> Value {
             c.iter().find(|x| {
                 x.get("@type")
                     .and_then(Value::as_str)
-                    .is_some_and(|t| t.ends_with(section.dump_type()))
+                    .is_some_and(|t| t.rsplit('.').next() == Some(section.dump_type()))
             })
         })
         .cloned()
