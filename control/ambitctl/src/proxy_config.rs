@@ -237,11 +237,10 @@ pub fn routes(dump_section: &Value) -> Vec<RouteRow> {
                             cluster: name.to_string(),
                             destination,
                             subset,
-                            weight: if total > 0 {
-                                format!("{}", weight * 100 / total)
-                            } else {
-                                weight.to_string()
-                            },
+                            weight: (weight * 100)
+                                .checked_div(total)
+                                .unwrap_or(weight)
+                                .to_string(),
                             ..base.clone()
                         });
                     }
