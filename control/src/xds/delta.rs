@@ -541,7 +541,7 @@ impl DeltaStream {
             let t = p.types.entry(type_url.to_string()).or_default();
             t.pushes += chunks as u64;
             t.resources_held = held;
-            t.last_nonce_sent = nonce;
+            t.sent(nonce, seq.to_string());
         });
         Ok(())
     }

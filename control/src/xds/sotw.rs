@@ -198,7 +198,7 @@ impl SotwStream {
             let t = p.types.entry(type_url.to_string()).or_default();
             t.pushes += 1;
             t.resources_held = held;
-            t.last_nonce_sent = nonce_copy;
+            t.sent(nonce_copy, seq.to_string());
             p.last_snapshot_seq = seq;
         });
         let resp = DiscoveryResponse {
