@@ -21,6 +21,7 @@ use tracing::Instrument;
 
 use super::connection::{accept_loop, copy_until_drained, finish, original_dst};
 use super::metrics::{ConnectionOpen, ConnectionResult, Reporter, SecurityPolicy};
+use super::resolve::is_waypoint_of;
 use super::{PodContext, ProxyContext, ProxyError, peer_info, workload_identity};
 use crate::drain::DRAIN_DEADLINE;
 use crate::hbone::{ConnectRequest, HboneServer, PendingConnect};
@@ -112,6 +113,14 @@ fn inbound_open(
     let dst_id = dst_w
         .map(workload_identity)
         .unwrap_or_else(|| pod.identity(ctx, snap));
+    // Traffic the destination's waypoint forwards: its pod is the source
+    // (and its identity the peer's, which policy sees as the source).
+    let waypoint = match (src_w.as_deref(), dst_w) {
+        (Some(s), Some(d)) if peer.is_some() && is_waypoint_of(snap, &ctx.network, s, d) => {
+            Some(format!("{}/{}", s.namespace, s.name))
+        }
+        _ => None,
+    };
     ConnectionOpen {
         reporter: Reporter::Destination,
         src,
@@ -124,6 +133,8 @@ fn inbound_open(
         } else {
             SecurityPolicy::None
         },
+        upstream: None,
+        waypoint,
     }
 }
 
