@@ -3,6 +3,7 @@
 //!
 //! ```text
 //!  app ──(REDIRECT)──▶ :15001 outbound ─ resolve ─┬─ HBONE: pool ══ mTLS + CONNECT ══▶ peer pod :15008
+//!                                                 ├─ waypoint-bound: pool ══ CONNECT original dst ══▶ waypoint :15008
 //!                                                 └─ plain TCP (non-mesh / unknown)
 //!  peer ztunnel ══ mTLS ══▶ :15008 inbound HBONE ─ address + policy check ─▶ app (inside the pod)
 //!  plaintext client ─(REDIRECT)─▶ :15006 inbound ─ policy (STRICT denies) ─▶ app (inside the pod)

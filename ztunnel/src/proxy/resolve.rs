@@ -110,20 +110,32 @@ pub fn resolve(
     let ip = dst.ip().to_canonical();
     let target = SocketAddr::new(ip, dst.port());
     if let Some(service) = snap.service_by_vip(network, ip) {
-        if let Some(gw) = service.waypoint.clone()
-            && !is_from(snap, network, src, &gw)
-        {
-            return via_waypoint(snap, network, gw, target, Some(service), None, round_robin);
+        if let Some(gw) = service.waypoint.clone() {
+            let bound = Bound {
+                target,
+                service: Some(service.clone()),
+                workload: None,
+            };
+            if let Some(r) = via_waypoint(snap, network, src, gw, bound, round_robin) {
+                return r;
+            }
         }
         return pick_endpoint(snap, network, service, dst.port(), round_robin);
     }
     match snap.workload_by_ip(network, ip) {
-        Some(w) => match w.waypoint.clone() {
-            Some(gw) if !is_from(snap, network, src, &gw) => {
-                via_waypoint(snap, network, gw, target, None, Some(w), round_robin)
+        Some(w) => {
+            if let Some(gw) = w.waypoint.clone() {
+                let bound = Bound {
+                    target,
+                    service: None,
+                    workload: Some(w.clone()),
+                };
+                if let Some(r) = via_waypoint(snap, network, src, gw, bound, round_robin) {
+                    return r;
+                }
             }
-            _ => to_workload(w, target, None),
-        },
+            to_workload(w, target, None)
+        }
         None => Resolved::Direct {
             workload: None,
             addr: dst,
@@ -132,41 +144,63 @@ pub fn resolve(
     }
 }
 
-fn via_waypoint(
-    snap: &StateSnapshot,
-    network: &str,
-    gateway: GatewayAddress,
+/// A destination bound to a waypoint: the original destination and what
+/// it is.
+struct Bound {
     target: SocketAddr,
     service: Option<Arc<Service>>,
     workload: Option<Arc<Workload>>,
+}
+
+/// The waypoint route for a bound destination, or `None` when the source
+/// is one of the waypoint's own pods (its traffic goes on directly, never
+/// back into the waypoint).
+fn via_waypoint(
+    snap: &StateSnapshot,
+    network: &str,
+    src: Option<&Workload>,
+    gateway: GatewayAddress,
+    bound: Bound,
     round_robin: &AtomicUsize,
-) -> Resolved {
-    match waypoint_pod(snap, network, &gateway, round_robin) {
-        Ok((waypoint, ip)) => {
-            let port = match gateway.hbone_mtls_port {
-                0 => DEFAULT_WAYPOINT_PORT,
-                p => p,
-            };
-            Resolved::Waypoint {
-                waypoint,
-                addr: SocketAddr::new(ip, port),
+) -> Option<Resolved> {
+    if src.is_some_and(|s| is_pod_of(snap, s, &gateway)) {
+        return None;
+    }
+    let Bound {
+        target,
+        service,
+        workload,
+    } = bound;
+    let mut pods = match waypoint_pods(snap, network, &gateway) {
+        Ok(pods) => pods,
+        Err(why) => {
+            return Some(Resolved::NoWaypoint {
+                gateway,
                 target,
                 service,
                 workload,
-            }
+                why,
+            });
         }
-        Err(why) => Resolved::NoWaypoint {
-            gateway,
-            target,
-            service,
-            workload,
-            why,
-        },
-    }
+    };
+    let k = round_robin.fetch_add(1, Ordering::Relaxed) % pods.len();
+    let (waypoint, ip) = pods.swap_remove(k);
+    let port = match gateway.hbone_mtls_port {
+        0 => DEFAULT_WAYPOINT_PORT,
+        p => p,
+    };
+    Some(Resolved::Waypoint {
+        waypoint,
+        addr: SocketAddr::new(ip, port),
+        target,
+        service,
+        workload,
+    })
 }
 
 /// The waypoint pods of a gateway address: the healthy endpoints of its
-/// service (by hostname, or by VIP), or the workload at its IP.
+/// service (by hostname, or by VIP), or the workload at its IP; never
+/// empty.
 fn waypoint_pods(
     snap: &StateSnapshot,
     network: &str,
@@ -195,7 +229,7 @@ fn waypoint_pods(
         }
         return Ok(vec![(w, a.ip)]);
     };
-    let mut pods: Vec<(Arc<Workload>, IpAddr)> = snap
+    let pods: Vec<(Arc<Workload>, IpAddr)> = snap
         .endpoint_set(&service.key())
         .into_iter()
         .flat_map(|set| set.values())
@@ -208,41 +242,28 @@ fn waypoint_pods(
     if pods.is_empty() {
         return Err(WaypointMissing::NoHealthyPod);
     }
-    // The endpoint set is a hash map: a stable order makes round robin fair.
-    pods.sort_by(|a, b| a.0.uid.cmp(&b.0.uid));
     Ok(pods)
 }
 
-fn waypoint_pod(
-    snap: &StateSnapshot,
-    network: &str,
-    gateway: &GatewayAddress,
-    round_robin: &AtomicUsize,
-) -> Result<(Arc<Workload>, IpAddr), WaypointMissing> {
-    let mut pods = waypoint_pods(snap, network, gateway)?;
-    let k = round_robin.fetch_add(1, Ordering::Relaxed) % pods.len();
-    Ok(pods.swap_remove(k))
-}
-
-/// Whether the source is one of the waypoint's own pods (by workload):
-/// its traffic goes on directly, never back into the waypoint.
-fn is_from(
-    snap: &StateSnapshot,
-    network: &str,
-    src: Option<&Workload>,
-    gateway: &GatewayAddress,
-) -> bool {
-    let Some(src) = src else {
-        return false;
-    };
-    waypoint_pods(snap, network, gateway)
-        .is_ok_and(|pods| pods.iter().any(|(w, _)| w.uid == src.uid))
+/// Whether `w` is one of the pods of the waypoint at `gateway` (healthy or
+/// not): a member of its service, or the workload at its address.
+fn is_pod_of(snap: &StateSnapshot, w: &Workload, gateway: &GatewayAddress) -> bool {
+    match &gateway.destination {
+        GatewayDestination::Hostname {
+            namespace,
+            hostname,
+        } => w.services.contains_key(&format!("{namespace}/{hostname}")),
+        GatewayDestination::Address(a) => match snap.service_by_vip(&a.network, a.ip) {
+            Some(svc) => w.services.contains_key(&svc.key()),
+            None => w.network == a.network && w.ips.contains(&a.ip),
+        },
+    }
 }
 
 /// Whether `src` is a pod of a waypoint `dst` is bound to (its own, or
 /// one of its services'): how an inbound connection shows that it came
 /// through the destination's waypoint.
-pub fn is_waypoint_of(snap: &StateSnapshot, network: &str, src: &Workload, dst: &Workload) -> bool {
+pub fn is_waypoint_of(snap: &StateSnapshot, src: &Workload, dst: &Workload) -> bool {
     let services = dst
         .services
         .keys()
@@ -252,7 +273,7 @@ pub fn is_waypoint_of(snap: &StateSnapshot, network: &str, src: &Workload, dst: 
         .clone()
         .into_iter()
         .chain(services)
-        .any(|gw| is_from(snap, network, Some(src), &gw))
+        .any(|gw| is_pod_of(snap, src, &gw))
 }
 
 fn to_workload(w: Arc<Workload>, addr: SocketAddr, service: Option<Arc<Service>>) -> Resolved {

@@ -365,6 +365,21 @@ fn the_waypoint_itself_is_never_sent_back_to_the_waypoint() {
         Resolved::Hbone { workload, .. } => assert_eq!(workload.name, "db"),
         other => panic!("{other:?}"),
     }
+    // Even while it is not ready.
+    let snap = waypoint_mesh(
+        true,
+        vec![
+            wp_pod("wp-0", "10.0.0.20", true),
+            wp_pod("wp-1", "10.0.0.21", false),
+        ],
+    );
+    let wp1 = snap
+        .workload_by_ip("", "10.0.0.21".parse().unwrap())
+        .unwrap();
+    assert!(matches!(
+        resolve(&snap, "", Some(&wp1), addr("10.96.0.1:80"), &rr),
+        Resolved::Hbone { .. }
+    ));
     // Any other source goes through it.
     let a = snap
         .workload_by_ip("", "10.0.0.1".parse().unwrap())
@@ -434,8 +449,8 @@ fn inbound_recognises_traffic_from_the_destinations_waypoint() {
     let snap = waypoint_mesh(true, vec![wp_pod("wp-0", "10.0.0.20", true)]);
     let w = |ip: &str| snap.workload_by_ip("", ip.parse().unwrap()).unwrap();
     // a backs the bound service web; db is bound itself.
-    assert!(is_waypoint_of(&snap, "", &w("10.0.0.20"), &w("10.0.0.1")));
-    assert!(is_waypoint_of(&snap, "", &w("10.0.0.20"), &w("10.0.0.9")));
+    assert!(is_waypoint_of(&snap, &w("10.0.0.20"), &w("10.0.0.1")));
+    assert!(is_waypoint_of(&snap, &w("10.0.0.20"), &w("10.0.0.9")));
     // Not from the waypoint.
-    assert!(!is_waypoint_of(&snap, "", &w("10.0.0.9"), &w("10.0.0.1")));
+    assert!(!is_waypoint_of(&snap, &w("10.0.0.9"), &w("10.0.0.1")));
 }
