@@ -252,3 +252,53 @@ spec:
             .is_none_or(|s| s.resources.by_name.is_empty())
     );
 }
+
+/// A waypoint Gateway handles service traffic, workload traffic or both
+/// (`istio.io/waypoint-for`); an object bound to one that does not handle
+/// its kind of traffic names no waypoint (Istio's rule), one bound to a
+/// Gateway the config does not define still names it (fail closed).
+#[test]
+fn a_waypoints_scope_decides_who_names_it() {
+    use crate::model::workloads_tests::{build, ns, pod, svc, uid, waypoint_host};
+    let gateway = |name: &str, scope: &str| {
+        format!(
+            "---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata:\n  name: {name}\n  namespace: a\n  labels: {{istio.io/waypoint-for: {scope}}}\nspec:\n  gatewayClassName: istio-waypoint\n  listeners:\n  - {{name: mesh, port: 15008, protocol: HBONE}}\n"
+        )
+    };
+    let host = |n: &str| Some(("a".to_string(), format!("{n}.a.svc.cluster.local"), 15008));
+    for (scope, pod_has, svc_has) in [
+        ("service", false, true),
+        ("workload", true, false),
+        ("all", true, true),
+        ("none", false, false),
+    ] {
+        let yaml = ns("a", "istio.io/use-waypoint: wp")
+            + &gateway("wp", scope)
+            + &pod("a", "p", "10.0.0.1", "app: x")
+            + &svc("a", "s", "10.96.0.1", "app: x", "80");
+        let out = build(&yaml);
+        assert_eq!(
+            waypoint_host(&out.workloads[&uid("a", "p")].waypoint),
+            if pod_has { host("wp") } else { None },
+            "waypoint-for {scope}: pod"
+        );
+        assert_eq!(
+            waypoint_host(&out.services["a/s.a.svc.cluster.local"].waypoint),
+            if svc_has { host("wp") } else { None },
+            "waypoint-for {scope}: service"
+        );
+    }
+    // No Gateway `ghost` in the config: both still name it.
+    let yaml = ns("a", "istio.io/use-waypoint: ghost")
+        + &pod("a", "p", "10.0.0.1", "app: x")
+        + &svc("a", "s", "10.96.0.1", "app: x", "80");
+    let out = build(&yaml);
+    assert_eq!(
+        waypoint_host(&out.workloads[&uid("a", "p")].waypoint),
+        host("ghost")
+    );
+    assert_eq!(
+        waypoint_host(&out.services["a/s.a.svc.cluster.local"].waypoint),
+        host("ghost")
+    );
+}
