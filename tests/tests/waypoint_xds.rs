@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use ambit_control::ca::{Caller, StaticTokens};
 use ambit_control::model::waypoint::{
-    BoundEndpoint, BoundPort, BoundService, Protocol, WaypointPlan, families,
+    BoundEndpoint, BoundPort, BoundService, BoundWorkload, Protocol, WaypointPlan, families,
 };
 use ambit_control::model::{ModelOptions, Snapshot, Store, build_snapshot};
 use ambit_control::xds::{ProxyRegistry, XdsAccess, XdsMetrics, XdsServer};
@@ -79,6 +79,14 @@ fn plan() -> WaypointPlan {
                 destination_rule: None,
             },
         ],
+        // A workload bound by IP (a waypoint for workloads): its L4 filter
+        // chain tunnels through an identity the endpoints already use.
+        workloads: vec![BoundWorkload {
+            namespace: "shop".into(),
+            name: "db-0".into(),
+            ips: vec![IpAddr::from([10, 10, 1, 30])],
+            identity: "spiffe://cluster.local/ns/shop/sa/llm".into(),
+        }],
         findings: Vec::new(),
     }
 }
