@@ -25,7 +25,9 @@ use crate::config::ControlConfig;
 use crate::debug::DebugState;
 use crate::model::snapshot::Snapshot;
 use crate::model::spawn_model;
-use crate::source::file::{FileSource, FileSourceError, spawn_file_source};
+use crate::source::file::{
+    FileSource, FileSourceError, spawn_extra_file_source, spawn_file_source,
+};
 use crate::xds::{Generators, ProxyRegistry, XdsAccess, XdsMetrics, XdsServer};
 
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +56,7 @@ pub struct ControlPlane {
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     _source: FileSource,
+    _extra_sources: Vec<FileSource>,
 }
 
 async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, AppError> {
@@ -92,6 +95,13 @@ impl ControlPlane {
         let monitoring_addr = local_addr("monitoring", &mon_listener, cfg.monitoring_addr)?;
 
         let (model, mut snapshots) = spawn_model(cfg.model_options());
+        // Extra directories first: their initial state does not mark the
+        // model synced, the main directory's (sent last) does, so the first
+        // synced snapshot holds all of them.
+        let mut extra_sources = Vec::with_capacity(cfg.extra_config_dirs.len());
+        for dir in &cfg.extra_config_dirs {
+            extra_sources.push(spawn_extra_file_source(dir.clone(), model.clone()).await?);
+        }
         let source = spawn_file_source(cfg.config_dir.clone(), model).await?;
         snapshots
             .wait_for(|s| s.synced)
@@ -187,6 +197,7 @@ impl ControlPlane {
             shutdown,
             tasks,
             _source: source,
+            _extra_sources: extra_sources,
         })
     }
 

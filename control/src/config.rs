@@ -22,6 +22,17 @@ pub struct ControlConfig {
     #[arg(long, env = "CONFIG_DIR")]
     pub config_dir: PathBuf,
 
+    /// More directories of YAML, read and watched like `--config-dir`
+    /// (repeat the flag; `EXTRA_CONFIG_DIRS` takes a `:`-separated list).
+    /// Local mode passes the directory where `ambitctl` writes the Pods it
+    /// starts for waypoint Gateways, so the user's directory stays theirs.
+    #[arg(
+        long = "extra-config-dir",
+        env = "EXTRA_CONFIG_DIRS",
+        value_delimiter = ':'
+    )]
+    pub extra_config_dirs: Vec<PathBuf>,
+
     /// Directory for state that must survive restarts (the CA's root key).
     #[arg(long, env = "DATA_DIR", default_value = "./ambit-data")]
     pub data_dir: PathBuf,
@@ -88,6 +99,7 @@ impl ControlConfig {
         let any = SocketAddr::from(([127, 0, 0, 1], 0));
         Self {
             config_dir,
+            extra_config_dirs: Vec::new(),
             data_dir,
             xds_plaintext_addr: any,
             xds_tls_addr: any,

@@ -43,6 +43,19 @@ impl MeshView {
         view
     }
 
+    /// The union of `views`; where two define a namespace or pod, the
+    /// first one's wins.
+    pub fn merged(views: &[Arc<MeshView>]) -> Self {
+        let mut out = Self::default();
+        for v in views.iter().rev() {
+            out.namespaces
+                .extend(v.namespaces.iter().map(|(k, l)| (k.clone(), l.clone())));
+            out.pods
+                .extend(v.pods.iter().map(|(k, p)| (k.clone(), p.clone())));
+        }
+        out
+    }
+
     /// Applies a config reader's changes; true when the view changed.
     pub fn apply(&mut self, changes: impl IntoIterator<Item = Change>) -> bool {
         let before = self.clone();
@@ -221,6 +234,47 @@ pub fn spawn_dir_view(dir: PathBuf) -> watch::Receiver<Arc<MeshView>> {
                 tx.send_replace(Arc::new(current.view.clone()));
             }
             dir_view = Some(current);
+        }
+    });
+    rx
+}
+
+/// How often the merged view of several directories looks for a change
+/// of one of them.
+const MERGE_POLL: Duration = Duration::from_millis(50);
+
+/// [`spawn_dir_view`] over several directories (the first is the main
+/// one, and wins where two define an object): one reader per directory,
+/// their views merged and published after a change of any. With one
+/// directory it is `spawn_dir_view`.
+pub fn spawn_dirs_view(dirs: Vec<PathBuf>) -> watch::Receiver<Arc<MeshView>> {
+    let mut rxs: Vec<watch::Receiver<Arc<MeshView>>> =
+        dirs.into_iter().map(spawn_dir_view).collect();
+    if rxs.len() == 1
+        && let Some(rx) = rxs.pop()
+    {
+        return rx;
+    }
+    let merge = |rxs: &mut [watch::Receiver<Arc<MeshView>>]| {
+        let views: Vec<Arc<MeshView>> = rxs
+            .iter_mut()
+            .map(|r| r.borrow_and_update().clone())
+            .collect();
+        Arc::new(MeshView::merged(&views))
+    };
+    let (tx, rx) = watch::channel(merge(&mut rxs));
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(MERGE_POLL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                () = tx.closed() => return,
+            }
+            // A reader whose task ended reports an error: nothing new from it.
+            if rxs.iter().any(|r| r.has_changed().unwrap_or(false)) {
+                tx.send_replace(merge(&mut rxs));
+            }
         }
     });
     rx

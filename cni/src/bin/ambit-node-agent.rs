@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 
 use ambit_cni::agent::install::{self, InstallConfig};
-use ambit_cni::agent::view::spawn_dir_view;
+use ambit_cni::agent::view::spawn_dirs_view;
 use ambit_cni::agent::{Agent, AgentConfig};
 use ambit_cni::protocol::DEFAULT_AGENT_SOCKET;
 use ambit_cni::redirect::RedirectPorts;
@@ -31,6 +31,16 @@ struct Args {
     /// pod labels decide enrollment.
     #[arg(long, env = "CONFIG_DIR")]
     config_dir: PathBuf,
+    /// More directories read like `--config-dir` (repeat the flag;
+    /// `EXTRA_CONFIG_DIRS` takes a `:`-separated list): local mode's
+    /// generated waypoint Pods. The main directory wins where both define
+    /// an object.
+    #[arg(
+        long = "extra-config-dir",
+        env = "EXTRA_CONFIG_DIRS",
+        value_delimiter = ':'
+    )]
+    extra_config_dirs: Vec<PathBuf>,
     /// Where the pod table is kept across restarts.
     #[arg(long, env = "STATE_DIR", default_value = "/var/run/ambit")]
     state_dir: PathBuf,
@@ -106,7 +116,9 @@ async fn main() -> Result<()> {
         return Ok(());
     }
 
-    let view = spawn_dir_view(args.config_dir.clone());
+    let mut dirs = vec![args.config_dir.clone()];
+    dirs.extend(args.extra_config_dirs.iter().cloned());
+    let view = spawn_dirs_view(dirs);
     let agent = Agent::start(
         AgentConfig {
             cni_socket: args.cni_socket.clone(),

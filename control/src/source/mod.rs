@@ -19,7 +19,7 @@ pub mod file;
 mod tests;
 
 pub use crate::model::{Change, ConfigError, ModelHandle, Object, ObjectKey, SourceUpdate};
-pub use file::{FileSource, FileSourceError, spawn_file_source};
+pub use file::{FileSource, FileSourceError, spawn_extra_file_source, spawn_file_source};
 
 /// The `source` name the file source puts in its updates.
 pub const FILE_SOURCE: &str = "file";

@@ -34,6 +34,12 @@ pub enum LocalError {
         bin_dir: PathBuf,
     },
 
+    #[error(
+        "the config declares waypoint Gateways ({gateways}) and no Envoy was found (ENVOY_BIN, or `envoy` on PATH); {}",
+        super::waypoints::ENVOY_HINT
+    )]
+    MissingEnvoy { gateways: String },
+
     #[error("bad cluster name {name:?}: {why}")]
     BadName { name: String, why: String },
 

@@ -21,6 +21,9 @@
 //! nodes/<node>/agent/    the agent's pods.json
 //! nodes/<node>/ipam/     host-local's leases
 //! nodes/<node>/{cni,zds}.sock
+//! generated/             Pod YAML of waypoint pods (control plane and node agents read it too)
+//! waypoints.json         the waypoint controller's record of its pods (`waypoints/`)
+//! waypoints/<ns>-<pod>/  a waypoint agent's state (SDS socket, Envoy bootstrap)
 //! ```
 //!
 //! Network namespaces: `<name>-lan`, `<name>-<node>`, `<name>-<ns>-<pod>`.
@@ -43,14 +46,16 @@ mod render;
 pub mod state;
 pub mod status;
 mod up;
+pub mod waypoints;
 
 pub use apps::app_ports;
 pub use down::{DownOptions, DownReport, down};
 pub use error::LocalError;
 pub use plan::{APP_ANNOTATION, NodePlan, Plan, PodPlan, plan_dir, plan_documents};
-pub use prereq::{BINARIES, prerequisites};
+pub use prereq::{BINARIES, CONTROLLER_BINARY, prerequisites};
 pub use state::{ControlState, NodeState, Phase, PodState, ProcRecord, Role, State};
 pub use status::{Connection, Status};
+pub use waypoints::{ControllerOptions, WaypointTable, run_controller};
 
 /// The cluster name when none is given.
 pub const DEFAULT_NAME: &str = "ambit";
@@ -184,10 +189,23 @@ impl LocalCluster {
     }
 
     /// A command running `args` inside the netns of pod `namespace/name`
+    /// (a waypoint pod too)
     /// (`ip netns exec`), with `POD_NAME` and `POD_NAMESPACE` set;
     /// `ambit-demo` as the program is the bin dir's.
     pub fn command(&self, key: &str, args: &[&str]) -> Result<Command, LocalError> {
-        let pod = self.pod(key)?;
+        let waypoint;
+        let pod = match self.pod(key) {
+            Ok(p) => p,
+            Err(e) => {
+                waypoint = WaypointTable::load(self.state_dir())
+                    .waypoints
+                    .into_iter()
+                    .find(|w| w.key() == key)
+                    .map(|w| w.pod)
+                    .ok_or(e)?;
+                &waypoint
+            }
+        };
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &pod.netns])
             .env("POD_NAME", &pod.name)
