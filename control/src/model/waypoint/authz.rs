@@ -23,15 +23,14 @@
 use std::collections::BTreeMap;
 
 use ambit_config::objects::{
-    AuthorizationAction, AuthorizationPolicy, AuthorizationRule, Cidr, Condition, Operation, Source,
+    AuthorizationAction, AuthorizationPolicy, AuthorizationRule, Cidr, Condition, Operation,
+    Source,
 };
 use envoy_types::pb::envoy::config::core::v3::CidrRange;
 use envoy_types::pb::envoy::config::rbac::v3::{
     Permission, Policy, Principal, Rbac as RbacRules, permission, principal, rbac::Action,
 };
-use envoy_types::pb::envoy::config::route::v3::{
-    HeaderMatcher, header_matcher::HeaderMatchSpecifier,
-};
+use envoy_types::pb::envoy::config::route::v3::{HeaderMatcher, header_matcher::HeaderMatchSpecifier};
 use envoy_types::pb::envoy::r#type::matcher::v3::{
     FilterStateMatcher, PathMatcher, RegexMatcher, StringMatcher, filter_state_matcher,
     path_matcher, string_matcher::MatchPattern,
@@ -66,11 +65,7 @@ pub fn binds(policy: &AuthorizationPolicy, plan: &WaypointPlan, svc: &BoundServi
         .iter()
         .chain(policy.spec.target_ref.as_ref());
     refs.into_iter().any(|r| {
-        let rns = if r.namespace.is_empty() {
-            ns
-        } else {
-            &r.namespace
-        };
+        let rns = if r.namespace.is_empty() { ns } else { &r.namespace };
         match r.kind.as_str() {
             "Gateway" => rns == &plan.namespace && r.name == plan.name,
             "Service" => rns == &svc.namespace && r.name == svc.name,
@@ -493,13 +488,10 @@ fn condition(c: &Condition, td: &str) -> Option<Cond> {
     match key {
         "source.ip" | "remote.ip" => {
             let direct = key == "source.ip";
-            let to =
-                |vals: &[String]| or_ids(cidrs(vals).iter().map(|c| ip_id(c, direct)).collect());
+            let to = |vals: &[String]| or_ids(cidrs(vals).iter().map(|c| ip_id(c, direct)).collect());
             let yes = (!c.values.is_empty()).then(|| to(&c.values));
             let no = (!c.not_values.is_empty()).then(|| not_id(to(&c.not_values)));
-            Some(Cond::Principal(and_ids(
-                yes.into_iter().chain(no).collect(),
-            )))
+            Some(Cond::Principal(and_ids(yes.into_iter().chain(no).collect())))
         }
         "source.namespace" => Some(principal_cond(&namespace_id)),
         "source.principal" => Some(principal_cond(&|v| principal_id(v, td))),
@@ -516,9 +508,7 @@ fn condition(c: &Condition, td: &str) -> Option<Cond> {
             };
             let yes = (!c.values.is_empty()).then(|| to(&c.values));
             let no = (!c.not_values.is_empty()).then(|| not_rule(to(&c.not_values)));
-            Some(Cond::Permission(and_rules(
-                yes.into_iter().chain(no).collect(),
-            )))
+            Some(Cond::Permission(and_rules(yes.into_iter().chain(no).collect())))
         }
         "destination.port" => Some(permission_cond(&|v| match v.parse::<u16>() {
             Ok(p) => port_perm(p),
