@@ -387,4 +387,43 @@ mod tests {
             "a.yaml was not parsed again"
         );
     }
+
+    /// A pod in an extra directory (local mode's waypoint pods) decides its
+    /// own enrollment; the main directory wins where both define an object.
+    #[tokio::test]
+    async fn extra_directories_are_merged_into_the_view() {
+        let main = tempfile::tempdir().unwrap();
+        let extra = tempfile::tempdir().unwrap();
+        std::fs::write(main.path().join("ns.yaml"), NAMESPACE).unwrap();
+        std::fs::write(
+            extra.path().join("wp.yaml"),
+            "apiVersion: v1\nkind: Pod\nmetadata: {name: waypoint-0, namespace: ai, labels: {istio.io/dataplane-mode: none}}\n\
+             spec: {nodeName: n, serviceAccountName: waypoint}\n---\n\
+             apiVersion: v1\nkind: Namespace\nmetadata: {name: ai}\n",
+        )
+        .unwrap();
+        let mut rx = spawn_dirs_view(vec![main.path().to_path_buf(), extra.path().to_path_buf()]);
+        let view = rx.borrow_and_update().clone();
+        assert!(
+            view.enrolled("ai", "web"),
+            "the main directory's namespace wins"
+        );
+        assert!(
+            !view.enrolled("ai", "waypoint-0"),
+            "the extra pod's opt-out counts"
+        );
+        assert_eq!(view.service_account("ai", "waypoint-0"), "waypoint");
+        // Removing the extra pod is followed.
+        std::fs::remove_file(extra.path().join("wp.yaml")).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                rx.changed().await.unwrap();
+                if rx.borrow().enrolled("ai", "waypoint-0") {
+                    break;
+                }
+            }
+        })
+        .await
+        .expect("the view follows the extra directory");
+    }
 }

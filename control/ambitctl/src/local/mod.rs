@@ -183,6 +183,20 @@ impl LocalCluster {
         self.state.pod(key)
     }
 
+    /// The pod `namespace/name`: one of the config's, or a waypoint pod the
+    /// waypoint controller runs.
+    pub fn find_pod(&self, key: &str) -> Result<PodState, LocalError> {
+        match self.pod(key) {
+            Ok(p) => Ok(p.clone()),
+            Err(e) => WaypointTable::load(self.state_dir())
+                .waypoints
+                .into_iter()
+                .find(|w| w.key() == key)
+                .map(|w| w.pod)
+                .ok_or(e),
+        }
+    }
+
     /// The control plane's listeners.
     pub fn control(&self) -> Option<&ControlState> {
         self.state.control.as_ref()
@@ -193,19 +207,7 @@ impl LocalCluster {
     /// (`ip netns exec`), with `POD_NAME` and `POD_NAMESPACE` set;
     /// `ambit-demo` as the program is the bin dir's.
     pub fn command(&self, key: &str, args: &[&str]) -> Result<Command, LocalError> {
-        let waypoint;
-        let pod = match self.pod(key) {
-            Ok(p) => p,
-            Err(e) => {
-                waypoint = WaypointTable::load(self.state_dir())
-                    .waypoints
-                    .into_iter()
-                    .find(|w| w.key() == key)
-                    .map(|w| w.pod)
-                    .ok_or(e)?;
-                &waypoint
-            }
-        };
+        let pod = self.find_pod(key)?;
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &pod.netns])
             .env("POD_NAME", &pod.name)
