@@ -1,5 +1,5 @@
-//! The last steps of `local up`: the pods' demo apps, the waypoint
-//! controller (and its first waypoint pods), then waiting until every app
+//! The last steps of `local up`: the waypoint controller (and its first
+//! waypoint pods), the pods' demo apps, then waiting until every app
 //! listens and every enrolled pod's certificate is issued.
 
 use std::time::Duration;

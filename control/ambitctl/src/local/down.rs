@@ -12,6 +12,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::state::{Role, STATE_FILE, State};
+use super::waypoints::WaypointTable;
 use super::{LocalError, check_name, netns, process};
 
 /// How long processes found inside a pod's netns get after SIGTERM.
@@ -152,6 +153,16 @@ pub fn down(opts: &DownOptions) -> Result<DownReport, LocalError> {
                 let whom = p.pod.as_deref().or(p.node.as_deref()).unwrap_or("");
                 pids.push((p.pid, format!("{} {} {whom}", p.pid, p.role.as_str())));
             }
+        }
+    }
+    // Waypoint agents (with their Envoy) are the controller's, in its table.
+    for w in WaypointTable::load(&state_dir).waypoints {
+        if let Some(pid) = w.agent_pid
+            && !pids.iter().any(|(p, _)| *p == pid)
+            && process::is_alive(pid)
+            && process::belongs_to(pid, &state_dir)
+        {
+            pids.push((pid, format!("{pid} ambit-agent waypoint {}", w.key())));
         }
     }
     for pid in process::scan(&state_dir) {

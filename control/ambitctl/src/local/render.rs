@@ -307,7 +307,7 @@ pub fn up_summary(s: &Status, app_args: &[(String, Vec<String>)]) -> String {
     out.push_str(&body(s));
     let _ = writeln!(
         out,
-        "\nLogs: {} (control.log, agent-<node>.log, ztunnel-<node>.log, pod-<namespace>-<pod>.log)",
+        "\nLogs: {} (control.log, agent-<node>.log, ztunnel-<node>.log, pod-<namespace>-<pod>.log, waypoints.log, waypoint-<namespace>-<pod>.log)",
         s.log_dir.display()
     );
     out.push_str("\nNext:\n");
@@ -317,6 +317,13 @@ pub fn up_summary(s: &Status, app_args: &[(String, Vec<String>)]) -> String {
     );
     for line in exec_examples(s, app_args) {
         let _ = writeln!(out, "  ambitctl local exec{flag} {line}");
+    }
+    if let Some(w) = s.waypoints.first() {
+        let _ = writeln!(
+            out,
+            "  ambitctl proxy-config routes{flag} {}   # the routes waypoint {} runs; edit the VirtualService weights and `local status` shows them",
+            w.pod, w.gateway
+        );
     }
     let _ = writeln!(
         out,

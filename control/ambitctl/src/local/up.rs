@@ -211,8 +211,10 @@ impl Builder {
         self.control()?;
         self.node_processes()?;
         self.pods(&cni_bin)?;
-        self.apps()?;
+        // Waypoints before the apps, so no app's first call finds a
+        // waypoint-bound service without its waypoint.
         self.waypoint_controller()?;
+        self.apps()?;
         self.certificates()?;
         self.state.phase = Phase::Ready;
         self.state.save()
