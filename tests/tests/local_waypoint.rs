@@ -2,8 +2,9 @@
 //! up` and the shipped demo (deploy/local/demo): the `waypoint` Gateway of
 //! ai-inference gets a pod (ambit-agent + real Envoy in its own netns,
 //! wired by CNI), llm's 80/20 canary holds through it, a weight edit to
-//! 100/0 rolls back within a second with no failed request, removing the
-//! Gateway stops the pod, adding it back starts one, and `local down`
+//! 100/0 rolls back within a second with no failed request, a crashed
+//! waypoint is restarted and a crashed controller adopts its pod, removing
+//! the Gateway stops the pod, adding it back starts one, and `local down`
 //! leaves no waypoint process.
 //!
 //! ```text
@@ -27,6 +28,7 @@ use ambit_tests::httpapp::{self, Reply};
 use ambit_tests::netbed::PodNet;
 use ambit_tests::{copy_fixture, enrollbed, workspace_root, write_atomic};
 use ambitctl::local::{self, LocalCluster, UpOptions};
+use nix::sys::signal::Signal;
 
 const GATEWAY: &str = "ai-inference/waypoint";
 const WAYPOINT_POD: &str = "ai-inference/waypoint-0";
@@ -191,7 +193,7 @@ fn waypoint_pod_runs_the_llm_canary_and_follows_the_config() {
     opts.name = format!("w{:06x}", rand::random::<u32>() & 0xff_ffff);
     opts.state_dir = Some(state.path().join("state"));
     let started = Instant::now();
-    let guard = local::up(&opts)
+    let mut guard = local::up(&opts)
         .unwrap_or_else(|e| panic!("{test}: local up failed: {e}"))
         .down_on_drop();
     let c: &LocalCluster = &guard;
@@ -302,7 +304,69 @@ fn waypoint_pod_runs_the_llm_canary_and_follows_the_config() {
         "too little traffic after the edit to tell: {after_edit}"
     );
 
-    // 4. Removing the Gateway stops the pod.
+    // 4. A crashed waypoint (agent and Envoy killed) is restarted by the
+    //    controller, and serves again with no manual step.
+    let crashed = c.status().waypoint(GATEWAY).unwrap().agent_pid.unwrap();
+    let killed = Instant::now();
+    nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(i32::try_from(crashed).unwrap()),
+        Signal::SIGKILL,
+    )
+    .unwrap();
+    let restarted = |c: &LocalCluster| {
+        c.status()
+            .waypoint(GATEWAY)
+            .is_some_and(|w| w.ready && w.restarts >= 1 && w.agent_pid != Some(crashed))
+    };
+    let limit = Instant::now() + Duration::from_secs(30);
+    while !restarted(c) {
+        assert!(
+            Instant::now() < limit,
+            "the waypoint was not restarted and ready within 30 s:\n{}\ncontroller log:\n{}",
+            c.render_status(),
+            std::fs::read_to_string(c.log_dir().join("waypoints.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let replies = rt.block_on(httpapp::many(&client, dst, 20, 2, "/generate", &[]));
+    let (by, failures) = served_by(&replies);
+    assert!(
+        failures.is_empty() && by.get("llm-v1-0") == Some(&20),
+        "{by:?} {failures:?}"
+    );
+    println!(
+        "waypoint crash: restarted and serving after {:?}",
+        killed.elapsed()
+    );
+
+    // 5. A crashed controller is started again and adopts the running pod
+    //    (relays again, and still follows the config: step 6).
+    let crashed_at = Instant::now();
+    guard
+        .signal_process(local::Role::WaypointController, None, Signal::SIGKILL)
+        .unwrap();
+    guard
+        .start_process_again(local::Role::WaypointController, None)
+        .unwrap();
+    let c: &LocalCluster = &guard;
+    let log = c.log_dir().join("waypoints.log");
+    eventually(
+        "the new controller to adopt the pod",
+        Duration::from_secs(10),
+        || {
+            std::fs::read_to_string(&log).is_ok_and(|l| l.contains("adopted waypoint pod"))
+                && c.status().waypoint(GATEWAY).is_some_and(|w| w.ready)
+        },
+    );
+    let replies = rt.block_on(httpapp::many(&client, dst, 20, 2, "/generate", &[]));
+    let (_, failures) = served_by(&replies);
+    assert!(failures.is_empty(), "{failures:?}");
+    println!(
+        "controller crash: restarted, pod adopted and serving after {:?}",
+        crashed_at.elapsed()
+    );
+
+    // 6. Removing the Gateway stops the pod.
     let pid = c.status().waypoint(GATEWAY).unwrap().agent_pid.unwrap();
     let netns_path = Path::new("/var/run/netns").join(&wp.netns);
     let without: String = rollback
@@ -322,7 +386,7 @@ fn waypoint_pod_runs_the_llm_canary_and_follows_the_config() {
     );
     let _ = stopped;
 
-    // 5. Adding it back starts a pod again (a live edit).
+    // 7. Adding it back starts a pod again (a live edit).
     let added = Instant::now();
     write_atomic(&canary, &rollback).unwrap();
     eventually(
@@ -338,7 +402,7 @@ fn waypoint_pod_runs_the_llm_canary_and_follows_the_config() {
         "{by:?} {failures:?}"
     );
 
-    // 6. `local down` leaves no waypoint process.
+    // 8. `local down` leaves no waypoint process.
     let inside = pids_in(&netns_path);
     assert!(
         inside.len() >= 2,
