@@ -207,7 +207,21 @@ impl Client {
 
     /// GET `path` with `headers`, bounded by [`REQUEST_TIMEOUT`].
     pub async fn get(&mut self, path: &str, headers: &[(&str, &str)]) -> Result<Reply> {
-        let mut req = Request::get(path).header(hyper::header::HOST, self.dst.to_string());
+        self.send(hyper::Method::GET, path, headers).await
+    }
+
+    /// A `method` request for `path` (no body) with `headers`, bounded by
+    /// [`REQUEST_TIMEOUT`].
+    pub async fn send(
+        &mut self,
+        method: hyper::Method,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> Result<Reply> {
+        let mut req = Request::builder()
+            .method(method.clone())
+            .uri(path)
+            .header(hyper::header::HOST, self.dst.to_string());
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
@@ -229,11 +243,11 @@ impl Client {
             .await
             .with_context(|| {
                 format!(
-                    "GET {path} via {}: no answer in {REQUEST_TIMEOUT:?}",
+                    "{method} {path} via {}: no answer in {REQUEST_TIMEOUT:?}",
                     self.dst
                 )
             })?
-            .with_context(|| format!("GET {path} via {}", self.dst))?;
+            .with_context(|| format!("{method} {path} via {}", self.dst))?;
         Ok(Reply {
             status,
             served_by,

@@ -113,7 +113,7 @@ fn scope(prefix: &str) -> Scope {
         max_histograms: Some(u32_value(MAX_SERIES)),
         max_gauges: Some(u32_value(0)),
         prefix: prefix.to_string(),
-        sharing_name: prefix.to_string(),
+        sharing_name: String::new(),
         ..Default::default()
     }
 }
