@@ -91,6 +91,7 @@ fn plan() -> WaypointPlan {
             identity: "spiffe://cluster.local/ns/shop/sa/llm".into(),
         }],
         findings: Vec::new(),
+        telemetry: true,
     }
 }
 

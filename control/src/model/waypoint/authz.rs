@@ -40,12 +40,10 @@ use envoy_types::pb::envoy::r#type::matcher::v3::{
 use super::envoy::{any, stable_map, u32_value};
 use super::{BoundService, Finding, WaypointPlan};
 use crate::model::index::ROOT_NAMESPACES;
+use ambit_config::gateway_api::WAYPOINT_GATEWAY_CLASSES;
 use envoy_types::pb::envoy::extensions::filters::http::rbac::v3::{Rbac as HttpRbac, RbacPerRoute};
 use envoy_types::pb::envoy::extensions::filters::network::rbac::v3::Rbac as NetworkRbac;
 use envoy_types::pb::google::protobuf::Any;
-
-/// The waypoint classes a `GatewayClass` target names.
-const WAYPOINT_CLASSES: [&str; 2] = ["istio-waypoint", "ambit-waypoint"];
 
 /// The HTTP RBAC filters of a service chain, in the order they run: AUDIT
 /// (logs), DENY, then ALLOW. Each enforces nothing by itself; the service's
@@ -146,7 +144,7 @@ pub fn binds(policy: &AuthorizationPolicy, plan: &WaypointPlan, svc: &BoundServi
             // Every waypoint of the class, from a root namespace.
             "GatewayClass" => {
                 ROOT_NAMESPACES.contains(&ns.as_str())
-                    && WAYPOINT_CLASSES.contains(&r.name.as_str())
+                    && WAYPOINT_GATEWAY_CLASSES.contains(&r.name.as_str())
             }
             _ => false,
         }

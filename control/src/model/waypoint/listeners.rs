@@ -224,7 +224,7 @@ fn main_internal(plan: &WaypointPlan) -> Listener {
         }
         for port in &svc.ports {
             let filters = if port.protocol.is_http() {
-                vec![service_hcm(svc, port)]
+                vec![service_hcm(svc, port, plan.telemetry)]
             } else {
                 service_tcp(svc, port.port)
             };
@@ -261,7 +261,7 @@ fn main_internal(plan: &WaypointPlan) -> Listener {
 /// An HTTP service port: authorization (the RBAC filters get their rules
 /// per virtual host over RDS), faults (configured per route), routing, and
 /// per-request telemetry.
-fn service_hcm(svc: &BoundService, port: &BoundPort) -> Filter {
+fn service_hcm(svc: &BoundService, port: &BoundPort, telemetry: bool) -> Filter {
     let mut http_filters: Vec<HttpFilter> = HTTP_RBAC_FILTERS
         .iter()
         .map(|(name, _)| http_filter(name, &http_base_filter()))
@@ -276,7 +276,11 @@ fn service_hcm(svc: &BoundService, port: &BoundPort) -> Filter {
             route_config_name: route_name(&svc.hostname, port.port),
         })),
         http_filters,
-        access_log: telemetry::access_logs(svc, port),
+        access_log: if telemetry {
+            telemetry::access_logs(svc, port)
+        } else {
+            Vec::new()
+        },
         ..Default::default()
     };
     named_filter("envoy.filters.network.http_connection_manager", &hcm)

@@ -81,6 +81,9 @@ pub struct WaypointPlan {
     pub workloads: Vec<BoundWorkload>,
     /// Config mistakes found while planning, for `/debug/config_errors`.
     pub findings: Vec<Finding>,
+    /// Per-request metrics and access logs (the Gateway's
+    /// `ambit.io/request-telemetry`, on by default).
+    pub telemetry: bool,
 }
 
 /// A config mistake the translation found (the object still serves as

@@ -102,6 +102,7 @@ pub(crate) fn plan(
                     services: Vec::new(),
                     workloads: Vec::new(),
                     findings: Vec::new(),
+                    telemetry: gw.request_telemetry(),
                 },
             );
         }
