@@ -247,13 +247,13 @@ fn waypoints(s: &Status) -> String {
         })
         .collect();
     if !rows.is_empty() {
-        let source = s
+        let sources: std::collections::BTreeSet<&str> = s
             .waypoints
             .iter()
-            .flat_map(|w| w.routes.first())
-            .map(|r| r.source.clone())
-            .next()
-            .unwrap_or_default();
+            .flat_map(|w| w.routes.iter())
+            .map(|r| r.source.as_str())
+            .collect();
+        let source = sources.into_iter().collect::<Vec<_>>().join(" and ");
         let _ = writeln!(
             out,
             "\nRequests per route through waypoints (since each waypoint started; {source}):"

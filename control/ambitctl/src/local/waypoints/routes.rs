@@ -2,12 +2,15 @@
 //! Envoy runs (its `config_dump`, read as `proxy-config routes` reads it)
 //! joined with what was counted per destination.
 //!
-//! Counts come from Istio's `istio_requests_total` when the waypoint's
-//! merged metrics (the agent's :15020) carry it with a `destination_version`
-//! label, else from Envoy's own cluster counters
+//! Requests and their 2xx/5xx come from Istio's `istio_requests_total` in
+//! the waypoint's merged metrics (the agent's :15020) by
+//! `destination_service` and `destination_version`, for a destination whose
+//! subset is named like the version it selects (`v1` → `version: v1`, the
+//! usual convention); else from Envoy's own cluster counters
 //! (`cluster.outbound|<port>|<subset>|<host>.upstream_rq_total`, `_2xx`,
-//! `_5xx`, `upstream_rq_retry`, from the admin's `/stats`). [`route_rows`]
-//! is the one function that turns the scraped text into rows.
+//! `_5xx`, from the admin's `/stats`). Retries are always Envoy's
+//! (`upstream_rq_retry`). [`route_rows`] is the one function that turns the
+//! scraped text into rows.
 
 use std::collections::BTreeMap;
 
@@ -57,11 +60,7 @@ struct Counts {
 /// Rows for every destination of every route, with its counts.
 pub fn route_rows(scrape: &Scrape) -> Vec<RouteRow> {
     let istio = istio_counts(&scrape.prometheus);
-    let (counts, source) = if istio.is_empty() {
-        (cluster_counts(&scrape.cluster_stats), "envoy cluster stats")
-    } else {
-        (istio, "istio_requests_total")
-    };
+    let envoy = cluster_counts(&scrape.cluster_stats);
     let mut seen = std::collections::BTreeSet::new();
     scrape
         .routes
@@ -72,11 +71,16 @@ pub fn route_rows(scrape: &Scrape) -> Vec<RouteRow> {
         .filter(|r| seen.insert((r.virtual_host.clone(), r.match_.clone(), r.cluster.clone())))
         .map(|r| {
             let host = r.destination.rsplit_once(':').map_or("", |(h, _)| h);
-            let c = counts
-                .get(&r.cluster)
-                .or_else(|| counts.get(&format!("{host}|{}", r.subset)))
-                .copied()
-                .unwrap_or_default();
+            let from_envoy = envoy.get(&r.cluster).copied().unwrap_or_default();
+            let host_in_istio = istio.keys().any(|k| k.split('|').next() == Some(host));
+            let (c, source) = match istio.get(&format!("{host}|{}", r.subset)) {
+                Some(c) if !r.subset.is_empty() => (*c, "istio_requests_total"),
+                // A version nothing reached yet: both sources say zero.
+                None if host_in_istio && from_envoy.requests == 0 => {
+                    (Counts::default(), "istio_requests_total")
+                }
+                _ => (from_envoy, "envoy cluster stats"),
+            };
             RouteRow {
                 route: r.virtual_host.clone(),
                 match_: r.match_.clone(),
@@ -86,7 +90,7 @@ pub fn route_rows(scrape: &Scrape) -> Vec<RouteRow> {
                 requests: c.requests,
                 ok_2xx: c.ok,
                 error_5xx: c.errors,
-                retries: c.retries,
+                retries: from_envoy.retries,
                 source: source.to_string(),
             }
         })

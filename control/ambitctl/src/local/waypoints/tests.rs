@@ -229,4 +229,17 @@ istio_requests_total{reporter=\"waypoint\",destination_service=\"llm.ai.svc.clus
         (9, 7, 2)
     );
     assert_eq!(rows[1].requests, 3);
+    // A subset not named like a version is counted by Envoy's cluster stats.
+    let mut scrape = scrape;
+    scrape
+        .routes
+        .push(route("outbound|80|canary|llm.ai.svc.cluster.local", "0"));
+    scrape
+        .cluster_stats
+        .push_str("cluster.outbound|80|canary|llm.ai.svc.cluster.local.upstream_rq_total: 4\n");
+    let rows = route_rows(&scrape);
+    assert_eq!(
+        (rows[2].requests, rows[2].source.as_str()),
+        (4, "envoy cluster stats")
+    );
 }
