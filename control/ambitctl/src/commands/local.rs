@@ -35,8 +35,9 @@ pub enum LocalCmd {
         dir: PathBuf,
         #[command(flatten)]
         which: Which,
-        /// Directory of ambit-control, ztunnel, ambit-node-agent, ambit-cni
-        /// and ambit-demo (default: the directory of this binary).
+        /// Directory of ambit-control, ztunnel, ambit-node-agent, ambit-cni,
+        /// ambit-demo, ambit-agent and ambitctl (default: the directory of
+        /// this binary).
         #[arg(long)]
         bin_dir: Option<PathBuf>,
         /// On failure, leave everything in place for inspection.

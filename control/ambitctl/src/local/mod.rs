@@ -1,8 +1,10 @@
 //! `ambitctl local`: a whole mesh on one Linux host (SPEC §5). Nodes and
 //! pods are network namespaces wired by the real CNI `bridge`/`host-local`
 //! plugins chained with `ambit-cni`; `ambit-control`, a node agent and a
-//! ztunnel per node and the pods' demo apps run as background processes
-//! with their logs in a state directory.
+//! ztunnel per node, the pods' demo apps and the waypoint controller (a
+//! waypoint pod — `ambit-agent` + Envoy — per waypoint Gateway, see
+//! [`waypoints`]) run as background processes with their logs in a state
+//! directory.
 //!
 //! The CLI (`ambitctl local up|down|status|exec`, flags in the binary's
 //! `commands/local.rs`) is a thin layer over this module, and the end-to-end
@@ -96,8 +98,9 @@ pub struct UpOptions {
     pub name: String,
     /// Default: `/var/run/ambit-local/<name>`.
     pub state_dir: Option<PathBuf>,
-    /// Where `ambit-control`, `ztunnel`, `ambit-node-agent`, `ambit-cni`
-    /// and `ambit-demo` are.
+    /// Where `ambit-control`, `ztunnel`, `ambit-node-agent`, `ambit-cni`,
+    /// `ambit-demo`, `ambit-agent` (waypoints) and `ambitctl` (the waypoint
+    /// controller) are.
     pub bin_dir: PathBuf,
     /// On failure, leave what was made for inspection instead of removing it.
     pub keep_on_failure: bool,
