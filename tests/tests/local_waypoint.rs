@@ -212,7 +212,8 @@ fn waypoint_pod_runs_the_llm_canary_and_follows_the_config() {
     let wp_netns = local::waypoints::probe::get_in_pod(&wp.netns, 15021, "/healthz/ready");
     assert!(matches!(wp_netns, Ok((200, _))), "{wp_netns:?}");
     let node = c.state.node(&wp.node).unwrap();
-    let table = local::status::agent_table(&node.agent_dir.join("pods.json"));
+    let agent_table = node.agent_dir.join("pods.json");
+    let table = local::status::agent_table(&agent_table);
     assert_eq!(
         table.get(WAYPOINT_POD).map(|(enrolled, _)| *enrolled),
         Some(false),
@@ -376,10 +377,23 @@ fn waypoint_pod_runs_the_llm_canary_and_follows_the_config() {
         .join("\n---\n");
     let removed = Instant::now();
     write_atomic(&canary, &without).unwrap();
+    let generated = c.state.generated_dir();
     let stopped = eventually("the waypoint pod to stop", Duration::from_secs(20), || {
         let s = c.status();
         s.waypoint(GATEWAY).is_none() && !alive(pid) && !netns_path.exists()
     });
+    // Deleted as a runtime deletes a pod: CNI DEL reached the node agent,
+    // and the Pod object is gone from what the mesh reads.
+    assert!(
+        !local::status::agent_table(&agent_table).contains_key(WAYPOINT_POD),
+        "the node agent still lists the waypoint pod"
+    );
+    assert_eq!(
+        std::fs::read_dir(&generated).unwrap().count(),
+        0,
+        "no generated Pod left in {}",
+        generated.display()
+    );
     println!(
         "Gateway removed: pod, agent and netns gone after {:?}",
         removed.elapsed()
