@@ -3,7 +3,7 @@
 //! EDS cluster per service port whose endpoints are internal addresses
 //! carrying the real destination as metadata.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::config::cluster::v3::{
@@ -56,12 +56,7 @@ const HTTP_OPTIONS: &str = "envoy.extensions.upstreams.http.v3.HttpProtocolOptio
 /// Every cluster of the waypoint.
 pub fn clusters(plan: &WaypointPlan) -> Vec<XdsResource> {
     let mut out = vec![main_internal()];
-    let identities: BTreeSet<&str> = plan
-        .services
-        .iter()
-        .flat_map(|s| s.endpoints.iter().map(|e| e.identity.as_str()))
-        .collect();
-    out.extend(identities.into_iter().map(originate));
+    out.extend(plan.peer_identities().into_iter().map(originate));
     for svc in &plan.services {
         for port in &svc.ports {
             for v in policy::variants(svc.destination_rule.as_ref(), port.port) {

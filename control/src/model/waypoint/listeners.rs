@@ -3,7 +3,6 @@
 //! service port, and one internal CONNECT-originating listener per peer
 //! identity.
 
-use std::collections::BTreeSet;
 use std::net::IpAddr;
 
 use envoy_types::pb::envoy::config::core::v3::{
@@ -42,7 +41,7 @@ use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{
 
 use super::envoy::{ads, any, hbone_server_tls, u32_value};
 use super::routes::{FAULT_FILTER, route_name};
-use super::{HBONE_PORT, LISTENER_TYPE, WaypointPlan, cluster_name};
+use super::{BoundWorkload, HBONE_PORT, LISTENER_TYPE, WaypointPlan, cluster_name};
 use crate::model::snapshot::XdsResource;
 use envoy_types::pb::envoy::extensions::filters::http::fault::v3::HttpFault;
 
@@ -66,12 +65,7 @@ pub fn originate_name(identity: &str) -> String {
 /// Every listener of the waypoint, sorted by name.
 pub fn listeners(plan: &WaypointPlan, trust_domain: &str) -> Vec<XdsResource> {
     let mut out = vec![connect_terminate(trust_domain), main_internal(plan)];
-    let identities: BTreeSet<&str> = plan
-        .services
-        .iter()
-        .flat_map(|s| s.endpoints.iter().map(|e| e.identity.as_str()))
-        .collect();
-    out.extend(identities.into_iter().map(connect_originate));
+    out.extend(plan.peer_identities().into_iter().map(connect_originate));
     out.into_iter()
         .map(|l| XdsResource::new(LISTENER_TYPE, l.name.clone(), Vec::new(), &l))
         .collect()
@@ -253,6 +247,7 @@ fn main_internal(plan: &WaypointPlan) -> Listener {
             });
         }
     }
+    chains.extend(plan.workloads.iter().map(workload_chain));
     Listener {
         name: MAIN_INTERNAL.to_string(),
         listener_specifier: Some(ListenerSpecifier::InternalListener(
@@ -268,6 +263,37 @@ fn main_internal(plan: &WaypointPlan) -> Listener {
         filter_chains: chains,
         ..Default::default()
     }
+}
+
+/// Traffic addressed to a bound workload's IPs, on any port: tunnelled at
+/// L4 to that same address through the workload's ztunnel (CONNECT
+/// authority = the original destination; the ORIGINAL_DST cluster dials
+/// its IP on 15008, there being no tunnel metadata to read).
+fn workload_chain(w: &BoundWorkload) -> FilterChain {
+    let tcp = TcpProxy {
+        stat_prefix: workload_stat_prefix(&w.namespace, &w.name),
+        cluster_specifier: Some(TcpCluster::Cluster(originate_name(&w.identity))),
+        tunneling_config: Some(TunnelingConfig {
+            hostname: "%DOWNSTREAM_LOCAL_ADDRESS%".to_string(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    FilterChain {
+        name: format!("workload:{}/{}", w.namespace, w.name),
+        filter_chain_match: Some(FilterChainMatch {
+            prefix_ranges: w.ips.iter().map(|ip| host_range(*ip)).collect(),
+            ..Default::default()
+        }),
+        filters: vec![named_filter("envoy.filters.network.tcp_proxy", &tcp)],
+        ..Default::default()
+    }
+}
+
+/// The `tcp_proxy` stat prefix of a bound workload's chain
+/// (`tcp.<prefix>.downstream_cx_total` counts its connections).
+pub fn workload_stat_prefix(namespace: &str, name: &str) -> String {
+    format!("workload_{namespace}_{name}")
 }
 
 /// An internal listener that opens an HBONE tunnel (HTTP/2 CONNECT to the
