@@ -5,12 +5,15 @@
 #   fuzz/run.sh TARGET [MINUTES]  one target (default 10 minutes)
 #   fuzz/run.sh all MINUTES       every target, MINUTES each
 #   fuzz/run.sh seed [TARGET]     (re)write the seeds into corpus/TARGET
+#   fuzz/run.sh cmin TARGET       minimize corpus/TARGET (keeps the named seeds)
 #   fuzz/run.sh list              the targets
 #
 # Each run prints the executions, the exec/s, the coverage reached and the
 # crashes found (files in artifacts/TARGET/). New inputs go to a scratch
-# corpus (corpus-tmp/, not committed) and are merged, minimized, into
-# corpus/TARGET afterwards.
+# corpus (corpus-tmp/, not committed) and are folded into corpus/TARGET
+# afterwards, minimized with `cargo fuzz cmin` by edge coverage: the named
+# seeds (written by `seed`) always stay, the inputs the fuzzer found are the
+# files named by their SHA-1.
 #
 # Needs a nightly toolchain and cargo-fuzz (`cargo install cargo-fuzz`).
 # Not run in CI. See README.md.
@@ -47,6 +50,47 @@ seed() {
     AMBIT_FUZZ_SEEDS="corpus/$t" "$(bin_of "$t")" >&2
 }
 
+# A fuzzer-found input is named by the SHA-1 of its bytes; anything else in
+# corpus/TARGET is a named seed.
+is_found() {
+    [[ "$1" =~ ^[0-9a-f]{40}$ ]]
+}
+
+# Minimizes corpus/TARGET with `cargo fuzz cmin` (libFuzzer -merge=1), by
+# edges only (-use_counters=0: hit counts would keep thousands of inputs
+# that differ only in how often a loop ran) and as a set cover
+# (-set_cover_merge=1: fewer files than the greedy smallest-first merge for
+# the same features). cmin renames everything it keeps to its SHA-1, so the
+# named seeds are set aside and put back, and a found input with the same
+# bytes as a seed is dropped.
+minimize() {
+    local t=$1 dir="corpus/$1" seeds="corpus-tmp/$1.seeds" log="artifacts/$1/cmin.log"
+    mkdir -p "artifacts/$t"
+    rm -rf "$seeds" && mkdir -p "$seeds"
+    local f
+    for f in "$dir"/*; do
+        [ -f "$f" ] || continue
+        is_found "$(basename "$f")" || mv "$f" "$seeds/"
+    done
+    local before
+    before=$(find "$dir" -maxdepth 1 -type f | wc -l)
+    if [ "$before" -gt 0 ]; then
+        # cmin renames corpus/TARGET aside and merges it back into an empty
+        # one; it prints the "MERGE-OUTER" summary in the log.
+        "${FUZZ[@]}" cmin "${BUILD_FLAGS[@]}" "$t" "$dir" -- \
+            -max_len="$(max_len "$t")" -use_counters=0 -set_cover_merge=1 -timeout=10 -rss_limit_mb=2048 \
+            >"$log" 2>&1 || echo "cmin $t failed (see $log)" >&2
+    fi
+    mkdir -p "$dir"
+    for f in "$seeds"/*; do
+        [ -f "$f" ] || continue
+        rm -f "$dir/$(sha1sum "$f" | cut -d' ' -f1)"
+        mv "$f" "$dir/"
+    done
+    rm -rf "$seeds"
+    echo "corpus/$t: $before found inputs -> $(find "$dir" -maxdepth 1 -type f | wc -l) files ($(du -sk "$dir" | cut -f1) KiB) with the seeds" >&2
+}
+
 run_one() {
     local t=$1 minutes=$2
     local art="artifacts/$t" tmp="corpus-tmp/$t"
@@ -76,14 +120,10 @@ run_one() {
     cov=$(grep -o 'cov: [0-9]*' "$log" | tail -1 | grep -o '[0-9]*$' || true)
     local after
     after=$(find "$art" -maxdepth 1 -type f \( -name 'crash-*' -o -name 'timeout-*' -o -name 'oom-*' -o -name 'leak-*' \) | wc -l)
-    # Merge what was found into the committed corpus, minimized.
-    local merged="corpus-tmp/$t.merged"
-    rm -rf "$merged" && mkdir -p "$merged"
-    "$(bin_of "$t")" -merge=1 -max_len="$(max_len "$t")" "$merged" "corpus/$t" "$tmp" >/dev/null 2>&1 || true
-    if [ -n "$(ls -A "$merged")" ]; then
-        rm -rf "corpus/$t" && mv "$merged" "corpus/$t"
-    fi
-    rm -rf "$tmp" "$merged"
+    # Fold what was found into the committed corpus, minimized.
+    find "$tmp" -maxdepth 1 -type f -exec cp -n -t "corpus/$t" {} +
+    rm -rf "$tmp"
+    minimize "$t"
     printf 'target=%s minutes=%s executions=%s exec_per_sec=%s cov=%s new_crashes=%s exit=%s corpus_files=%s\n' \
         "$t" "$minutes" "${execs:-?}" "${speed:-?}" "${cov:-?}" "$((after - before))" "$rc" \
         "$(ls "corpus/$t" | wc -l)"
@@ -96,6 +136,11 @@ run_one() {
 
 case "${1:-all}" in
     list) printf '%s\n' "${TARGETS[@]}" ;;
+    cmin)
+        printf '%s\n' "${TARGETS[@]}" | grep -qx "${2:-}" || { echo "usage: run.sh cmin TARGET" >&2; exit 2; }
+        build "$2"
+        minimize "$2"
+        ;;
     seed)
         build
         if [ -n "${2:-}" ]; then seed "$2"; else for t in "${TARGETS[@]}"; do seed "$t"; done; fi
