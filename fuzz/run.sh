@@ -88,7 +88,7 @@ minimize() {
         mv "$f" "$dir/"
     done
     rm -rf "$seeds"
-    echo "corpus/$t: $before found inputs -> $(find "$dir" -maxdepth 1 -type f | wc -l) files ($(du -sk "$dir" | cut -f1) KiB) with the seeds" >&2
+    echo "corpus/$t: $before found inputs -> $(find "$dir" -maxdepth 1 -type f | wc -l) files ($(( $(du -sb "$dir" | cut -f1) / 1024 )) KiB) with the seeds" >&2
 }
 
 run_one() {
