@@ -45,7 +45,7 @@ pub use client::{ClientError, ClientTimeouts, HboneClient, HboneConnection};
 pub use pool::{
     DialFuture, Dialer, HbonePool, PoolConfig, PoolError, PoolKey, PooledStream, TcpDialer,
 };
-pub use server::{ConnectRequest, HboneServer, PendingConnect, ServerError};
+pub use server::{ConnectRequest, HboneServer, PendingConnect, ServerError, check_connect};
 pub use stream::H2Stream;
 pub use tls::{TlsError, client_config, peer_identity, server_config};
 

@@ -299,7 +299,7 @@ impl HboneServer {
                 }
             };
             let (parts, body) = request.into_parts();
-            let decided = check_request(&parts.method, &parts.uri).and_then(|authority| {
+            let decided = check_connect(&parts.method, &parts.uri).and_then(|authority| {
                 let request = ConnectRequest {
                     peer_identity: identity.clone(),
                     peer_addr: peer,
@@ -323,8 +323,11 @@ impl HboneServer {
     }
 }
 
-/// Only `CONNECT` with `:authority` = `ip:port` passes.
-fn check_request(method: &Method, uri: &Uri) -> Result<SocketAddr, StatusCode> {
+/// The protocol check of one HBONE request head, before authorization:
+/// only `CONNECT` with `:authority` = `ip:port` passes (405 for another
+/// method, 400 for an authority that is not a socket address). Pure, so
+/// it can be driven with untrusted heads (the `hbone_connect` fuzz target).
+pub fn check_connect(method: &Method, uri: &Uri) -> Result<SocketAddr, StatusCode> {
     if method != Method::CONNECT {
         return Err(StatusCode::METHOD_NOT_ALLOWED);
     }
@@ -342,3 +345,38 @@ fn response(status: StatusCode) -> Response<()> {
 #[cfg(test)]
 #[path = "server_limits_tests.rs"]
 mod limits_tests;
+
+#[cfg(test)]
+mod check_tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn connect(authority: &str) -> Result<SocketAddr, StatusCode> {
+        let uri = Uri::builder().authority(authority).build().unwrap();
+        check_connect(&Method::CONNECT, &uri)
+    }
+
+    #[test]
+    fn only_connect_to_a_socket_address_passes() {
+        assert_eq!(
+            connect("10.0.0.1:8080"),
+            Ok("10.0.0.1:8080".parse().unwrap())
+        );
+        assert_eq!(connect("[fd00::1]:80"), Ok("[fd00::1]:80".parse().unwrap()));
+        // A host name, a missing port or user info: 400.
+        for bad in ["example.com:80", "10.0.0.1", "user@10.0.0.1:80"] {
+            assert_eq!(connect(bad), Err(StatusCode::BAD_REQUEST), "{bad}");
+        }
+        let path_only: Uri = "/x".parse().unwrap();
+        assert_eq!(
+            check_connect(&Method::CONNECT, &path_only),
+            Err(StatusCode::BAD_REQUEST)
+        );
+        let get: Uri = "http://10.0.0.1:80/".parse().unwrap();
+        assert_eq!(
+            check_connect(&Method::GET, &get),
+            Err(StatusCode::METHOD_NOT_ALLOWED)
+        );
+    }
+}

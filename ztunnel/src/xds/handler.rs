@@ -22,7 +22,7 @@ const MAX_REPORTED_ERRORS: usize = 10;
 
 /// What handling one response produced.
 #[derive(Debug)]
-pub(crate) struct Handled {
+pub struct Handled {
     /// The response's type, if it is one we hold.
     pub ty: Option<ResourceType>,
     /// The ACK (no `error_detail`) or NACK to send back.
@@ -91,8 +91,12 @@ fn resource_name(r: &Resource) -> &str {
     }
 }
 
-/// Applies `resp` to `state` and builds the reply.
-pub(crate) fn handle_response(state: &mut StateSnapshot, resp: &DeltaDiscoveryResponse) -> Handled {
+/// Applies `resp` to `state` and builds the reply: the xDS client's whole
+/// decode-and-validate path for one Delta response, pure (no I/O), so it
+/// can be driven with untrusted bytes (the `ztunnel_xds` fuzz target).
+/// Never panics on any response: a resource that does not decode or
+/// validate is left out and named in the NACK.
+pub fn handle_response(state: &mut StateSnapshot, resp: &DeltaDiscoveryResponse) -> Handled {
     let Some(ty) = ResourceType::from_type_url(&resp.type_url) else {
         let errors = vec![XdsError::UnknownType {
             type_url: resp.type_url.clone(),

@@ -22,6 +22,7 @@ use tokio::sync::mpsc;
 use crate::state::StateError;
 
 pub use self::client::{XdsClient, XdsClientConfig};
+pub use self::handler::{Handled, handle_response};
 
 /// Wildcard resource name: "everything of this type".
 pub const WILDCARD: &str = "*";

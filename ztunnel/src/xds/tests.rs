@@ -5,7 +5,7 @@ use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryResponse, Res
 use envoy_types::pb::google::protobuf::Any;
 use prost::Message;
 
-use super::handler::handle_response;
+use super::handle_response;
 use crate::state::{ResourceType, StateSnapshot};
 
 fn workload_resource(uid: &str, addr: Vec<u8>) -> Resource {
@@ -161,4 +161,27 @@ fn node_identity_and_metadata() {
         };
         assert_eq!(got, v);
     }
+}
+
+/// The public entry point (what the fuzz target drives): a truncated body
+/// and an unknown type are NACKed, nothing is applied, nothing panics.
+#[test]
+fn public_handle_response_rejects_truncated_bodies() {
+    let mut s = StateSnapshot::default();
+    let mut truncated = workload_resource("w1", vec![10, 0, 0, 1]);
+    if let Some(any) = &mut truncated.resource {
+        any.value.truncate(any.value.len() / 2);
+    }
+    let h = crate::xds::handle_response(&mut s, &response(vec![truncated], vec![]));
+    assert!(h.is_nack());
+    assert_eq!(h.errors.len(), 1);
+    assert_eq!(s.workload_count(), 0);
+
+    let unknown = DeltaDiscoveryResponse {
+        type_url: "type.googleapis.com/not.a.Type".into(),
+        ..Default::default()
+    };
+    let h = crate::xds::handle_response(&mut s, &unknown);
+    assert!(h.is_nack());
+    assert_eq!(h.ty, None);
 }
