@@ -1,9 +1,11 @@
-//! Wiring of the control plane: listeners, the model, the file source, the
-//! xDS server and the monitoring server. Binaries, tests and benchmarks all
+//! Wiring of the control plane: listeners, the model, the config source
+//! (a directory in local mode, the API server in Kubernetes mode), the xDS
+//! server, the CA and the monitoring server. Binaries, tests and benchmarks all
 //! start the control plane through [`ControlPlane::start`].
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
@@ -21,11 +23,12 @@ use crate::ca::{
     CaError, CaMetrics, CaService, CaServiceOptions, CaStore, NodeTokenFile, SignerOptions,
     SnapshotPodLocator, TokenAuthenticator, TokenReview,
 };
-use crate::config::ControlConfig;
-use crate::debug::DebugState;
+use crate::config::{ControlConfig, SourceChoice};
+use crate::debug::{DebugState, ReadinessCheck, always_ready};
 use crate::model::snapshot::Snapshot;
 use crate::model::spawn_model;
 use crate::source::file::{FileSource, FileSourceError, spawn_file_source};
+use crate::source::kube::{KubeSource, KubeSourceOptions};
 use crate::xds::{Generators, ProxyRegistry, XdsAccess, XdsMetrics, XdsServer};
 
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +41,10 @@ pub enum AppError {
     },
     #[error("cannot read the config directory: {0}")]
     Source(#[from] FileSourceError),
+    #[error(transparent)]
+    Flags(#[from] crate::config::FlagError),
+    #[error("Kubernetes: {0}")]
+    Kube(#[from] crate::k8s::K8sError),
     #[error("the mesh model stopped before delivering its first snapshot")]
     ModelStopped,
     #[error("cannot set up the certificate authority: {0}")]
@@ -53,7 +60,44 @@ pub struct ControlPlane {
     proxies: Arc<ProxyRegistry>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
-    _source: FileSource,
+    _source: Source,
+}
+
+/// The running config source.
+enum Source {
+    // Held: dropping it stops watching the directory.
+    File(#[allow(dead_code)] FileSource),
+    Kube {
+        source: Arc<KubeSource>,
+        #[allow(dead_code)] // used by the leader's writers (next step)
+        client: kube::Client,
+    },
+}
+
+fn kube_source_options(cfg: &ControlConfig) -> KubeSourceOptions {
+    KubeSourceOptions {
+        relist_every: (cfg.kube_relist_secs > 0).then(|| Duration::from_secs(cfg.kube_relist_secs)),
+        retry_max: Duration::from_millis(cfg.kube_retry_max_ms),
+        ..KubeSourceOptions::default()
+    }
+}
+
+/// `/ready` in Kubernetes mode: every watch listed once (the model's
+/// synced flag follows) and the gRPC servers running.
+fn kube_readiness(source: Arc<KubeSource>, serving: Arc<AtomicBool>) -> ReadinessCheck {
+    Arc::new(move || {
+        let waiting = source.waiting_for();
+        if !waiting.is_empty() {
+            return Err(format!(
+                "waiting for the Kubernetes watches to list: {}",
+                waiting.join("; ")
+            ));
+        }
+        if !serving.load(Ordering::Acquire) {
+            return Err("the CA is not loaded yet, so xDS and the CA do not serve".into());
+        }
+        Ok(())
+    })
 }
 
 async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, AppError> {
@@ -72,8 +116,12 @@ fn local_addr(
 }
 
 impl ControlPlane {
-    /// Binds every listener, loads the config directory and starts serving.
-    /// Returns once the first snapshot of the config is published.
+    /// Binds every listener, starts the config source and starts serving.
+    ///
+    /// Local mode (`--config-dir`): returns once the first snapshot of the
+    /// directory is published. Kubernetes mode: returns once the servers
+    /// run; `/ready` stays 503 and xDS streams wait until every watch has
+    /// listed its kind once ([`Self::wait_synced`]).
     pub async fn start(cfg: ControlConfig) -> Result<Self, AppError> {
         Self::start_with_generators(cfg, Generators::standard()).await
     }
@@ -84,36 +132,75 @@ impl ControlPlane {
         cfg: ControlConfig,
         generators: Generators,
     ) -> Result<Self, AppError> {
-        let xds_listener = bind("xDS (plaintext gRPC)", cfg.xds_plaintext_addr).await?;
+        let choice = cfg.source()?;
+        let xds_listener = if cfg.no_xds_plaintext {
+            None
+        } else {
+            Some(bind("xDS (plaintext gRPC)", cfg.xds_plaintext_addr).await?)
+        };
         let tls_listener = bind("xDS + CA (TLS gRPC)", cfg.xds_tls_addr).await?;
         let mon_listener = bind("monitoring (HTTP)", cfg.monitoring_addr).await?;
-        let xds_addr = local_addr("xDS", &xds_listener, cfg.xds_plaintext_addr)?;
+        let xds_addr = match &xds_listener {
+            Some(l) => local_addr("xDS", l, cfg.xds_plaintext_addr)?,
+            None => cfg.xds_plaintext_addr,
+        };
         let xds_tls_addr = local_addr("xDS TLS", &tls_listener, cfg.xds_tls_addr)?;
         let monitoring_addr = local_addr("monitoring", &mon_listener, cfg.monitoring_addr)?;
 
         let (model, mut snapshots) = spawn_model(cfg.model_options());
-        let source = spawn_file_source(cfg.config_dir.clone(), model).await?;
-        snapshots
-            .wait_for(|s| s.synced)
-            .await
-            .map_err(|_| AppError::ModelStopped)?;
-
         let mut registry = Registry::default();
         let xds_metrics = XdsMetrics::register(&mut registry);
         let model_metrics = ModelMetrics::register(&mut registry);
+        let ca_metrics = CaMetrics::register(&mut registry);
         let proxies = Arc::new(ProxyRegistry::default());
         let (shutdown, shutdown_rx) = watch::channel(false);
         let mut tasks = Vec::new();
+        // Set once the gRPC servers run (the CA is loaded).
+        let serving = Arc::new(AtomicBool::new(false));
 
+        let (source, readiness) = match &choice {
+            SourceChoice::Dir(dir) => {
+                let source = spawn_file_source(dir.clone(), model).await?;
+                snapshots
+                    .wait_for(|s| s.synced)
+                    .await
+                    .map_err(|_| AppError::ModelStopped)?;
+                (Source::File(source), always_ready())
+            }
+            SourceChoice::Kube(access) => {
+                let client = crate::k8s::client(access).await?;
+                let source = Arc::new(KubeSource::spawn(
+                    client.clone(),
+                    model,
+                    kube_source_options(&cfg),
+                ));
+                let readiness = kube_readiness(source.clone(), serving.clone());
+                (Source::Kube { source, client }, readiness)
+            }
+        };
         tasks.push(tokio::spawn(model_metrics.run(snapshots.clone())));
 
+        let debug = DebugState {
+            snapshots: snapshots.clone(),
+            proxies: proxies.clone(),
+            metrics: Arc::new(registry),
+            readiness,
+        };
+        tasks.push(tokio::spawn(crate::http::serve(
+            mon_listener,
+            debug.handler(),
+            shutdown_rx.clone(),
+        )));
+
         let authenticator = authenticator(&cfg);
+        let store = CaStore::load_or_create(&cfg.data_dir.join("ca"), cfg.ca_dir.as_deref())?;
         let ca = build_ca(
             &cfg,
+            store,
             authenticator.clone(),
             snapshots.clone(),
-            CaMetrics::register(&mut registry),
-        )?;
+            ca_metrics,
+        );
         let xds = XdsServer::with_generators(
             snapshots.clone(),
             generators,
@@ -127,13 +214,11 @@ impl ControlPlane {
         let tls_config = Arc::new(ca.server_tls_config(&cfg.tls_names)?);
         let tls_incoming =
             crate::tls_listener::incoming(tls_listener, tls_config, shutdown_rx.clone());
-        for (what, incoming) in [
-            (
-                "plaintext",
-                Incoming::Plain(TcpListenerStream::new(xds_listener)),
-            ),
-            ("TLS", Incoming::Tls(tls_incoming)),
-        ] {
+        let mut incomings = vec![("TLS", Incoming::Tls(tls_incoming))];
+        if let Some(l) = xds_listener {
+            incomings.push(("plaintext", Incoming::Plain(TcpListenerStream::new(l))));
+        }
+        for (what, incoming) in incomings {
             let router = tonic::transport::Server::builder()
                 .tcp_nodelay(true)
                 // What one client connection may make the server hold: a
@@ -162,22 +247,18 @@ impl ControlPlane {
                 }
             }));
         }
+        serving.store(true, Ordering::Release);
 
-        let debug = DebugState {
-            snapshots: snapshots.clone(),
-            proxies: proxies.clone(),
-            metrics: Arc::new(registry),
-        };
-        tasks.push(tokio::spawn(crate::http::serve(
-            mon_listener,
-            debug.handler(),
-            shutdown_rx,
-        )));
-
-        info!(
-            %xds_addr, %xds_tls_addr, %monitoring_addr, config_dir = %cfg.config_dir.display(),
-            "control plane serving"
-        );
+        match &choice {
+            SourceChoice::Dir(dir) => info!(
+                %xds_addr, %xds_tls_addr, %monitoring_addr, config_dir = %dir.display(),
+                "control plane serving (local mode)"
+            ),
+            SourceChoice::Kube(access) => info!(
+                %xds_tls_addr, %monitoring_addr, ?access,
+                "control plane serving (Kubernetes mode); ready once every watch has listed its kind"
+            ),
+        }
         Ok(Self {
             xds_addr,
             xds_tls_addr,
@@ -188,6 +269,24 @@ impl ControlPlane {
             tasks,
             _source: source,
         })
+    }
+
+    /// Waits until the model's snapshot holds the sources' complete initial
+    /// state (at once in local mode, where [`Self::start`] waited already).
+    pub async fn wait_synced(&self) -> Result<(), AppError> {
+        let mut rx = self.snapshots.clone();
+        rx.wait_for(|s| s.synced)
+            .await
+            .map(|_| ())
+            .map_err(|_| AppError::ModelStopped)
+    }
+
+    /// The Kubernetes source, in Kubernetes mode.
+    pub fn kube_source(&self) -> Option<&KubeSource> {
+        match &self._source {
+            Source::Kube { source, .. } => Some(source),
+            Source::File(_) => None,
+        }
     }
 
     /// Where xDS is served (plaintext gRPC).
@@ -243,11 +342,11 @@ pub const MAX_HEADER_LIST_BYTES: u32 = 64 << 10;
 /// tokens in local mode, pod placement from the model's snapshots.
 fn build_ca(
     cfg: &ControlConfig,
+    store: CaStore,
     authenticator: Arc<dyn TokenAuthenticator>,
     snapshots: watch::Receiver<Arc<Snapshot>>,
     metrics: CaMetrics,
-) -> Result<CaService, AppError> {
-    let store = CaStore::load_or_create(&cfg.data_dir.join("ca"), cfg.ca_dir.as_deref())?;
+) -> CaService {
     let opts = CaServiceOptions {
         signer: SignerOptions {
             trust_domain: cfg.trust_domain.clone(),
@@ -256,13 +355,13 @@ fn build_ca(
         },
         ..CaServiceOptions::default()
     };
-    Ok(CaService::new(
+    CaService::new(
         Arc::new(store),
         opts,
         authenticator,
         Arc::new(SnapshotPodLocator::new(snapshots)),
         metrics,
-    ))
+    )
 }
 
 /// The two gRPC listeners' connection streams.

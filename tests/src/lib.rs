@@ -5,7 +5,9 @@
 pub mod agentbed;
 pub mod enrollbed;
 pub mod envoy;
+pub mod fakeapi;
 pub mod h2raw;
+pub mod kubebed;
 pub mod meshbed;
 pub mod netbed;
 pub mod traffic;
