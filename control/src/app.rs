@@ -5,7 +5,6 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
@@ -17,14 +16,17 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::TcpListenerStream;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::ca::{
     CaError, CaMetrics, CaService, CaServiceOptions, CaStore, NodeTokenFile, SignerOptions,
-    SnapshotPodLocator, TokenAuthenticator, TokenReview,
+    SnapshotPodLocator, TokenAuthenticator, TokenReview, TokenReviewOptions, Unconfigured,
 };
 use crate::config::{ControlConfig, SourceChoice};
 use crate::debug::{DebugState, ReadinessCheck, always_ready};
+use crate::k8s::ca_secret::{CaSecretError, CaSecretOptions, load_ca};
+use crate::k8s::gateway_status::{self, StatusOptions};
+use crate::k8s::leader::{LeaderElector, LeaseOptions};
 use crate::model::snapshot::Snapshot;
 use crate::model::spawn_model;
 use crate::source::file::{FileSource, FileSourceError, spawn_file_source};
@@ -45,8 +47,12 @@ pub enum AppError {
     Flags(#[from] crate::config::FlagError),
     #[error("Kubernetes: {0}")]
     Kube(#[from] crate::k8s::K8sError),
+    #[error("cannot load the CA from its Kubernetes Secret: {0}")]
+    CaSecret(#[from] CaSecretError),
     #[error("the mesh model stopped before delivering its first snapshot")]
     ModelStopped,
+    #[error("xDS and the CA are not serving: the CA could not be loaded (see the log)")]
+    NotServing,
     #[error("cannot set up the certificate authority: {0}")]
     Ca(#[from] CaError),
 }
@@ -60,6 +66,7 @@ pub struct ControlPlane {
     proxies: Arc<ProxyRegistry>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
+    serving: watch::Receiver<bool>,
     _source: Source,
 }
 
@@ -69,9 +76,30 @@ enum Source {
     File(#[allow(dead_code)] FileSource),
     Kube {
         source: Arc<KubeSource>,
-        #[allow(dead_code)] // used by the leader's writers (next step)
         client: kube::Client,
+        elector: Box<LeaderElector>,
     },
+}
+
+fn lease_options(cfg: &ControlConfig) -> LeaseOptions {
+    LeaseOptions {
+        namespace: cfg.system_namespace.clone(),
+        name: cfg.lease_name.clone(),
+        identity: cfg.replica_name(),
+        duration: Duration::from_secs(cfg.lease_duration_secs),
+        renew_deadline: Duration::from_secs(cfg.lease_renew_deadline_secs),
+        retry: Duration::from_millis(cfg.lease_retry_ms),
+    }
+}
+
+/// Keeps the `ambit_leader` gauge in step with the election.
+async fn follow_leadership(mut leader: watch::Receiver<bool>, gauge: Gauge) {
+    loop {
+        gauge.set(i64::from(*leader.borrow_and_update()));
+        if leader.changed().await.is_err() {
+            return;
+        }
+    }
 }
 
 fn kube_source_options(cfg: &ControlConfig) -> KubeSourceOptions {
@@ -84,7 +112,7 @@ fn kube_source_options(cfg: &ControlConfig) -> KubeSourceOptions {
 
 /// `/ready` in Kubernetes mode: every watch listed once (the model's
 /// synced flag follows) and the gRPC servers running.
-fn kube_readiness(source: Arc<KubeSource>, serving: Arc<AtomicBool>) -> ReadinessCheck {
+fn kube_readiness(source: Arc<KubeSource>, serving: watch::Receiver<bool>) -> ReadinessCheck {
     Arc::new(move || {
         let waiting = source.waiting_for();
         if !waiting.is_empty() {
@@ -93,8 +121,11 @@ fn kube_readiness(source: Arc<KubeSource>, serving: Arc<AtomicBool>) -> Readines
                 waiting.join("; ")
             ));
         }
-        if !serving.load(Ordering::Acquire) {
-            return Err("the CA is not loaded yet, so xDS and the CA do not serve".into());
+        if !*serving.borrow() {
+            return Err(
+                "the CA is not loaded yet (the leader creates its Secret), so xDS and the CA do not serve"
+                    .into(),
+            );
         }
         Ok(())
     })
@@ -152,11 +183,17 @@ impl ControlPlane {
         let xds_metrics = XdsMetrics::register(&mut registry);
         let model_metrics = ModelMetrics::register(&mut registry);
         let ca_metrics = CaMetrics::register(&mut registry);
+        let leader_gauge = Gauge::default();
+        registry.register(
+            "ambit_leader",
+            "1 while this replica holds the leader Lease (Kubernetes mode)",
+            leader_gauge.clone(),
+        );
         let proxies = Arc::new(ProxyRegistry::default());
         let (shutdown, shutdown_rx) = watch::channel(false);
         let mut tasks = Vec::new();
-        // Set once the gRPC servers run (the CA is loaded).
-        let serving = Arc::new(AtomicBool::new(false));
+        // True once the gRPC servers run (the CA is loaded).
+        let (serving, serving_rx) = watch::channel(false);
 
         let (source, readiness) = match &choice {
             SourceChoice::Dir(dir) => {
@@ -174,8 +211,27 @@ impl ControlPlane {
                     model,
                     kube_source_options(&cfg),
                 ));
-                let readiness = kube_readiness(source.clone(), serving.clone());
-                (Source::Kube { source, client }, readiness)
+                let readiness = kube_readiness(source.clone(), serving_rx.clone());
+                let elector = Box::new(LeaderElector::spawn(client.clone(), lease_options(&cfg)));
+                tasks.push(tokio::spawn(gateway_status::run(
+                    client.clone(),
+                    elector.subscribe(),
+                    StatusOptions {
+                        domain: "cluster.local".into(),
+                    },
+                )));
+                tasks.push(tokio::spawn(follow_leadership(
+                    elector.subscribe(),
+                    leader_gauge.clone(),
+                )));
+                (
+                    Source::Kube {
+                        source,
+                        client,
+                        elector,
+                    },
+                    readiness,
+                )
             }
         };
         tasks.push(tokio::spawn(model_metrics.run(snapshots.clone())));
@@ -192,62 +248,75 @@ impl ControlPlane {
             shutdown_rx.clone(),
         )));
 
-        let authenticator = authenticator(&cfg);
-        let store = CaStore::load_or_create(&cfg.data_dir.join("ca"), cfg.ca_dir.as_deref())?;
-        let ca = build_ca(
-            &cfg,
-            store,
-            authenticator.clone(),
-            snapshots.clone(),
-            ca_metrics,
-        );
-        let xds = XdsServer::with_generators(
-            snapshots.clone(),
+        let grpc = GrpcParts {
+            cfg: cfg.clone(),
+            snapshots: snapshots.clone(),
             generators,
-            XdsAccess::new(
-                authenticator.clone(),
-                CaServiceOptions::default().node_proxy_identities,
-            ),
-            proxies.clone(),
+            proxies: proxies.clone(),
+            ca_metrics,
             xds_metrics,
-        );
-        let tls_config = Arc::new(ca.server_tls_config(&cfg.tls_names)?);
-        let tls_incoming =
-            crate::tls_listener::incoming(tls_listener, tls_config, shutdown_rx.clone());
-        let mut incomings = vec![("TLS", Incoming::Tls(tls_incoming))];
-        if let Some(l) = xds_listener {
-            incomings.push(("plaintext", Incoming::Plain(TcpListenerStream::new(l))));
-        }
-        for (what, incoming) in incomings {
-            let router = tonic::transport::Server::builder()
-                .tcp_nodelay(true)
-                // What one client connection may make the server hold: a
-                // proxy needs one xDS stream and a few CA calls.
-                .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
-                .http2_max_header_list_size(Some(MAX_HEADER_LIST_BYTES))
-                .http2_max_pending_accept_reset_streams(Some(64))
-                .http2_keepalive_interval(Some(Duration::from_secs(30)))
-                .http2_keepalive_timeout(Some(Duration::from_secs(20)))
-                .tcp_keepalive(Some(Duration::from_secs(60)))
-                .initial_connection_window_size(Some(16 << 20))
-                .initial_stream_window_size(Some(8 << 20))
-                .add_service(xds.clone().into_service())
-                .add_service(ca.clone().into_server());
-            let mut stop = shutdown_rx.clone();
-            let stopped = async move {
-                let _ = stop.wait_for(|s| *s).await;
-            };
-            tasks.push(tokio::spawn(async move {
-                let result = match incoming {
-                    Incoming::Plain(i) => router.serve_with_incoming_shutdown(i, stopped).await,
-                    Incoming::Tls(i) => router.serve_with_incoming_shutdown(i, stopped).await,
-                };
-                if let Err(e) = result {
-                    warn!("{what} gRPC server stopped: {e}");
+            tls_listener,
+            xds_listener,
+            shutdown: shutdown_rx.clone(),
+        };
+        match &source {
+            Source::File(_) => {
+                let store =
+                    CaStore::load_or_create(&cfg.data_dir.join("ca"), cfg.ca_dir.as_deref())?;
+                let servers = grpc.servers(store, authenticator(&cfg))?;
+                let _ = serving.send(true);
+                tasks.push(tokio::spawn(servers));
+            }
+            Source::Kube {
+                source,
+                client,
+                elector,
+            } => {
+                let auth: Arc<dyn TokenAuthenticator> = Arc::new(TokenReview::new(
+                    client.clone(),
+                    source.pods(),
+                    TokenReviewOptions {
+                        audience: cfg.token_audience.clone(),
+                        ..TokenReviewOptions::default()
+                    },
+                ));
+                if cfg.node_tokens_file.is_some() {
+                    warn!(
+                        "--node-tokens-file is ignored in Kubernetes mode: callers authenticate with ServiceAccount tokens (TokenReview)"
+                    );
                 }
-            }));
+                let ca_secrets = CaSecretOptions {
+                    namespace: cfg.system_namespace.clone(),
+                    root_secret: cfg.ca_secret.clone(),
+                    plugged_secret: cfg.plugged_ca_secret.clone(),
+                };
+                let (client, leader) = (client.clone(), elector.subscribe());
+                // The CA may have to wait for the leader to create its
+                // Secret: serve /ready (503, saying so) meanwhile.
+                tasks.push(tokio::spawn(async move {
+                    let store = match &grpc.cfg.ca_dir {
+                        // A plugged-in CA mounted as files.
+                        Some(dir) => {
+                            CaStore::load_or_create(&grpc.cfg.data_dir.join("ca"), Some(dir))
+                                .map_err(AppError::from)
+                        }
+                        None => load_ca(client, &ca_secrets, leader)
+                            .await
+                            .map_err(AppError::from),
+                    };
+                    match store.and_then(|store| grpc.servers(store, auth)) {
+                        Ok(servers) => {
+                            let _ = serving.send(true);
+                            servers.await;
+                        }
+                        Err(e) => error!(
+                            error = %e,
+                            "the CA cannot be loaded: xDS and the CA stay down and /ready says not ready; fix the Secret and restart"
+                        ),
+                    }
+                }));
+            }
         }
-        serving.store(true, Ordering::Release);
 
         match &choice {
             SourceChoice::Dir(dir) => info!(
@@ -267,18 +336,26 @@ impl ControlPlane {
             proxies,
             shutdown,
             tasks,
+            serving: serving_rx,
             _source: source,
         })
     }
 
     /// Waits until the model's snapshot holds the sources' complete initial
     /// state (at once in local mode, where [`Self::start`] waited already).
+    /// In Kubernetes mode also waits until xDS and the CA serve (the CA
+    /// loaded from its Secret). Callers bound the wait.
     pub async fn wait_synced(&self) -> Result<(), AppError> {
         let mut rx = self.snapshots.clone();
         rx.wait_for(|s| s.synced)
             .await
+            .map_err(|_| AppError::ModelStopped)?;
+        let mut serving = self.serving.clone();
+        serving
+            .wait_for(|s| *s)
+            .await
             .map(|_| ())
-            .map_err(|_| AppError::ModelStopped)
+            .map_err(|_| AppError::NotServing)
     }
 
     /// The Kubernetes source, in Kubernetes mode.
@@ -314,9 +391,31 @@ impl ControlPlane {
         &self.proxies
     }
 
-    /// Stops the servers and waits for them.
+    /// Whether this replica holds the leader Lease (always false in local
+    /// mode, where nothing needs a leader).
+    pub fn is_leader(&self) -> bool {
+        match &self._source {
+            Source::Kube { elector, .. } => elector.is_leader(),
+            Source::File(_) => false,
+        }
+    }
+
+    /// Stops the servers and waits for them; in Kubernetes mode releases
+    /// the leader Lease first, so another replica takes over at once.
     pub async fn shutdown(self) {
         let _ = self.shutdown.send(true);
+        if let Source::Kube { elector, .. } = self._source {
+            elector.release().await;
+        }
+        for t in self.tasks {
+            t.abort();
+            let _ = t.await;
+        }
+    }
+
+    /// Stops at once, as a crash would: the Lease is not released (another
+    /// replica takes over when it expires). For tests.
+    pub async fn kill(self) {
         for t in self.tasks {
             t.abort();
             let _ = t.await;
@@ -324,12 +423,12 @@ impl ControlPlane {
     }
 }
 
-/// Bearer-token authentication shared by xDS and the CA: node tokens in
-/// local mode, TokenReview in Kubernetes.
+/// Bearer-token authentication of local mode, shared by xDS and the CA:
+/// node tokens (Kubernetes mode uses TokenReview).
 fn authenticator(cfg: &ControlConfig) -> Arc<dyn TokenAuthenticator> {
     match &cfg.node_tokens_file {
         Some(path) => Arc::new(NodeTokenFile::new(path)),
-        None => Arc::new(TokenReview),
+        None => Arc::new(Unconfigured),
     }
 }
 
@@ -362,6 +461,89 @@ fn build_ca(
         Arc::new(SnapshotPodLocator::new(snapshots)),
         metrics,
     )
+}
+
+/// What the gRPC servers (xDS and the CA, plaintext and TLS) are built
+/// from once the CA's material is loaded.
+struct GrpcParts {
+    cfg: ControlConfig,
+    snapshots: watch::Receiver<Arc<Snapshot>>,
+    generators: Generators,
+    proxies: Arc<ProxyRegistry>,
+    ca_metrics: CaMetrics,
+    xds_metrics: XdsMetrics,
+    tls_listener: TcpListener,
+    xds_listener: Option<TcpListener>,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl GrpcParts {
+    /// Builds the CA and xDS services; the returned future serves both
+    /// listeners until shutdown (dropping it stops them).
+    fn servers(
+        self,
+        store: CaStore,
+        authenticator: Arc<dyn TokenAuthenticator>,
+    ) -> Result<impl std::future::Future<Output = ()> + Send + 'static, AppError> {
+        let cfg = &self.cfg;
+        let ca = build_ca(
+            cfg,
+            store,
+            authenticator.clone(),
+            self.snapshots.clone(),
+            self.ca_metrics,
+        );
+        let xds = XdsServer::with_generators(
+            self.snapshots.clone(),
+            self.generators,
+            XdsAccess::new(
+                authenticator.clone(),
+                CaServiceOptions::default().node_proxy_identities,
+            ),
+            self.proxies.clone(),
+            self.xds_metrics,
+        );
+        let tls_config = Arc::new(ca.server_tls_config(&cfg.tls_names)?);
+        let tls_incoming =
+            crate::tls_listener::incoming(self.tls_listener, tls_config, self.shutdown.clone());
+        let mut incomings = vec![("TLS", Incoming::Tls(tls_incoming))];
+        if let Some(l) = self.xds_listener {
+            incomings.push(("plaintext", Incoming::Plain(TcpListenerStream::new(l))));
+        }
+        let mut servers = Vec::new();
+        for (what, incoming) in incomings {
+            let router = tonic::transport::Server::builder()
+                .tcp_nodelay(true)
+                // What one client connection may make the server hold: a
+                // proxy needs one xDS stream and a few CA calls.
+                .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
+                .http2_max_header_list_size(Some(MAX_HEADER_LIST_BYTES))
+                .http2_max_pending_accept_reset_streams(Some(64))
+                .http2_keepalive_interval(Some(Duration::from_secs(30)))
+                .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+                .tcp_keepalive(Some(Duration::from_secs(60)))
+                .initial_connection_window_size(Some(16 << 20))
+                .initial_stream_window_size(Some(8 << 20))
+                .add_service(xds.clone().into_service())
+                .add_service(ca.clone().into_server());
+            let mut stop = self.shutdown.clone();
+            let stopped = async move {
+                let _ = stop.wait_for(|s| *s).await;
+            };
+            servers.push(async move {
+                let result = match incoming {
+                    Incoming::Plain(i) => router.serve_with_incoming_shutdown(i, stopped).await,
+                    Incoming::Tls(i) => router.serve_with_incoming_shutdown(i, stopped).await,
+                };
+                if let Err(e) = result {
+                    warn!("{what} gRPC server stopped: {e}");
+                }
+            });
+        }
+        Ok(async move {
+            futures::future::join_all(servers).await;
+        })
+    }
 }
 
 /// The two gRPC listeners' connection streams.

@@ -18,7 +18,11 @@ use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::fakeapi::FakeApiServer;
+use crate::fakeapi::{FakeApiServer, TokenReviewAnswer};
+
+/// The user's extra keys of a bound ServiceAccount token.
+pub const POD_NAME_EXTRA: &str = "authentication.kubernetes.io/pod-name";
+pub const POD_UID_EXTRA: &str = "authentication.kubernetes.io/pod-uid";
 
 /// The token the control plane's kube client sends (identity
 /// `ambit-control` in the fake's call log).
@@ -65,6 +69,31 @@ pub fn pod(ns: &str, name: &str, ip: &str, node: &str, labels: Value) -> Value {
     })
 }
 
+/// What TokenReview answers for a projected token (audience `istio-ca`)
+/// of ServiceAccount `ns/sa`, bound to pod `ns/pod` when given.
+pub fn sa_token(ns: &str, sa: &str, pod: Option<&str>, audiences: &[&str]) -> TokenReviewAnswer {
+    let mut extra = std::collections::BTreeMap::new();
+    if let Some(p) = pod {
+        extra.insert(POD_NAME_EXTRA.to_string(), vec![p.to_string()]);
+    }
+    TokenReviewAnswer {
+        username: format!("system:serviceaccount:{ns}:{sa}"),
+        uid: format!("uid-{ns}-{sa}"),
+        groups: vec![
+            "system:serviceaccounts".into(),
+            format!("system:serviceaccounts:{ns}"),
+        ],
+        audiences: audiences.iter().map(|a| a.to_string()).collect(),
+        extra,
+    }
+}
+
+/// ztunnel's token (ServiceAccount `ambit-system/ztunnel`) from pod
+/// `ambit-system/<pod>`, audience `istio-ca`.
+pub fn ztunnel_token(pod: &str) -> TokenReviewAnswer {
+    sa_token("ambit-system", "ztunnel", Some(pod), &["istio-ca"])
+}
+
 /// A namespace with labels.
 pub fn namespace(name: &str, labels: Value) -> Value {
     json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}})
@@ -82,10 +111,9 @@ pub async fn control_plane(
         &format!("{CONTROL_TOKEN}-{replica}"),
     )?;
     let data = dir.join(format!("data-{replica}"));
-    let tokens = dir.join("node-tokens");
-    std::fs::write(&tokens, format!("{NODE_TOKEN} node-1\n"))?;
-    let mut cfg = ControlConfig::for_kube_tests(kubeconfig, data, replica);
-    cfg.node_tokens_file = Some(tokens);
+    // Observers present NODE_TOKEN: ztunnel's ServiceAccount token.
+    fake.set_token_review(NODE_TOKEN, ztunnel_token("ztunnel-node-1"));
+    let cfg = ControlConfig::for_kube_tests(kubeconfig, data, replica);
     ControlPlane::start(cfg)
         .await
         .context("starting the control plane")
@@ -116,9 +144,19 @@ pub struct Observer {
 
 impl Observer {
     pub async fn connect(addr: SocketAddr, type_url: &str) -> Result<Self> {
-        let mut client = AggregatedDiscoveryServiceClient::connect(format!("http://{addr}"))
-            .await?
-            .max_decoding_message_size(64 << 20);
+        Self::connect_with_token(addr, type_url, NODE_TOKEN).await
+    }
+
+    /// [`Self::connect`] presenting `token`.
+    pub async fn connect_with_token(addr: SocketAddr, type_url: &str, token: &str) -> Result<Self> {
+        const LIMIT: Duration = Duration::from_secs(10);
+        let mut client = tokio::time::timeout(
+            LIMIT,
+            AggregatedDiscoveryServiceClient::connect(format!("http://{addr}")),
+        )
+        .await
+        .map_err(|_| anyhow!("connecting to xDS at {addr}: no answer within {LIMIT:?}"))??
+        .max_decoding_message_size(64 << 20);
         let (tx, rx) = mpsc::channel(8);
         tx.send(DeltaDiscoveryRequest {
             node: Some(Node {
@@ -131,8 +169,11 @@ impl Observer {
         .await?;
         let mut req = tonic::Request::new(ReceiverStream::new(rx));
         req.metadata_mut()
-            .insert("authorization", format!("Bearer {NODE_TOKEN}").parse()?);
-        let rx = client.delta_aggregated_resources(req).await?.into_inner();
+            .insert("authorization", format!("Bearer {token}").parse()?);
+        let rx = tokio::time::timeout(LIMIT, client.delta_aggregated_resources(req))
+            .await
+            .map_err(|_| anyhow!("opening the xDS stream: no answer within {LIMIT:?}"))??
+            .into_inner();
         Ok(Self {
             tx,
             rx,

@@ -1,6 +1,6 @@
 //! Kubernetes mode beside the config source: the API client, leader
-//! election through a Lease, the CA root in a Secret, TokenReview
-//! authentication and the status the leader writes.
+//! election through a Lease, the CA root in a Secret and the status the
+//! leader writes (TokenReview authentication is `ca::TokenReview`).
 //!
 //! Every API call outside a watch has a deadline ([`API_CALL_TIMEOUT`]);
 //! watches are bounded by kube's watcher (server-side timeout plus an idle
@@ -13,6 +13,10 @@ use kube::Client;
 use kube::config::{Config, KubeConfigOptions, Kubeconfig};
 
 use crate::config::ClusterAccess;
+
+pub mod ca_secret;
+pub mod gateway_status;
+pub mod leader;
 
 /// Deadline of one API call (get, create, update, patch, TokenReview).
 pub const API_CALL_TIMEOUT: Duration = Duration::from_secs(5);
