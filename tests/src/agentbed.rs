@@ -43,10 +43,12 @@ const TYPES: &[TypeSpec] = &[
     TypeSpec {
         type_url: CLUSTER,
         label: "cluster",
+        resend_with: None,
     },
     TypeSpec {
         type_url: LISTENER,
         label: "listener",
+        resend_with: None,
     },
 ];
 
@@ -271,24 +273,33 @@ pub struct AgentOptions {
     pub xds_address: String,
     /// `--ca-address`, when not the xDS address.
     pub ca_address: Option<String>,
-    /// The waypoint pod: service account, name, IP, Gateway (all in `shop`
-    /// on `node-1`).
+    /// The waypoint pod: namespace, node, service account, name, IP,
+    /// Gateway.
+    pub namespace: String,
+    pub node_name: String,
     pub service_account: String,
     pub pod_name: String,
     pub pod_ip: String,
     pub gateway: String,
+    /// Run the agent (and so its Envoy) inside this network namespace (a
+    /// name under `/var/run/netns`), as in a pod.
+    pub netns: Option<String>,
 }
 
 impl AgentOptions {
-    /// The waypoint of [`MESH_YAML`] (`wp-0`, service account and Gateway `wp`).
+    /// The waypoint of [`MESH_YAML`] (`wp-0` in `shop` on `node-1`, service
+    /// account and Gateway `wp`).
     pub fn new(xds_address: String) -> AgentOptions {
         AgentOptions {
             xds_address,
             ca_address: None,
+            namespace: "shop".into(),
+            node_name: "node-1".into(),
             service_account: "wp".into(),
             pod_name: "wp-0".into(),
             pod_ip: "10.9.0.7".into(),
             gateway: "wp".into(),
+            netns: None,
         }
     }
 }
@@ -296,23 +307,39 @@ impl AgentOptions {
 impl Agent {
     /// Starts the agent for the bed's waypoint and waits for its ports.
     pub async fn start(plane: &Plane, envoy: &Path, opts: &AgentOptions) -> Result<Agent> {
+        Agent::launch(&plane.root_cert(), &plane.token_file(), envoy, opts).await
+    }
+
+    /// Starts an agent trusting `root_cert`, authenticating to the CA with
+    /// the node token in `token_file`, running `envoy`; waits for its
+    /// ports (`ports.json`).
+    pub async fn launch(
+        root_cert: &Path,
+        token_file: &Path,
+        envoy: &Path,
+        opts: &AgentOptions,
+    ) -> Result<Agent> {
         let bin = agent_binary()?;
         let dir = tempfile::tempdir()?;
         let state_dir = dir.path().join("state");
         let log = dir.path().join("agent.log");
         let out = std::fs::File::create(&log)?;
-        let mut cmd = Command::new(&bin);
+        // `ip netns exec` enters the namespace and execs the agent (same
+        // pid, so the process group below is the agent's).
+        let mut cmd = match &opts.netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&bin);
+                c
+            }
+            None => Command::new(&bin),
+        };
         cmd.env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .env("RUST_LOG", "info")
-            .args([
-                "--kind",
-                "waypoint",
-                "--namespace",
-                "shop",
-                "--node-name",
-                "node-1",
-            ])
+            .args(["--kind", "waypoint"])
+            .args(["--namespace", &opts.namespace])
+            .args(["--node-name", &opts.node_name])
             .args(["--service-account", &opts.service_account])
             .args(["--pod-name", &opts.pod_name, "--pod-ip", &opts.pod_ip])
             .arg("--labels")
@@ -322,9 +349,9 @@ impl Agent {
             ))
             .args(["--xds-address", &opts.xds_address])
             .arg("--root-cert")
-            .arg(plane.root_cert())
+            .arg(root_cert)
             .arg("--token-file")
-            .arg(plane.token_file())
+            .arg(token_file)
             .arg("--envoy-binary")
             .arg(envoy)
             .args(["--envoy-concurrency", "1", "--envoy-log-level", "info"])
@@ -396,6 +423,24 @@ impl Agent {
     /// Sends `signal` to the agent.
     pub fn signal(&self, signal: Signal) -> Result<()> {
         kill(Pid::from_raw(self.pid), signal).context("signalling the agent")
+    }
+
+    /// SIGKILLs the agent and its Envoy (the whole process group) and
+    /// waits until they are gone.
+    pub async fn kill_all(&mut self, limit: Duration) -> Result<()> {
+        let _ = kill(Pid::from_raw(-self.pid), Signal::SIGKILL);
+        self.wait_exit(limit).await?;
+        let deadline = Instant::now() + limit;
+        while !group_members(self.pid).is_empty() {
+            if Instant::now() > deadline {
+                bail!(
+                    "processes of the agent's group still live after {limit:?}: {:?}",
+                    group_members(self.pid)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
     }
 
     /// Waits (polling, never blocking the runtime) for the agent to exit.

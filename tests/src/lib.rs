@@ -7,10 +7,12 @@ pub mod enrollbed;
 pub mod envoy;
 pub mod fakeapi;
 pub mod h2raw;
+pub mod httpapp;
 pub mod kubebed;
 pub mod meshbed;
 pub mod netbed;
 pub mod traffic;
+pub mod waypointpod;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -51,10 +53,22 @@ pub fn write_atomic(path: &Path, contents: &str) -> Result<()> {
 
 /// One HTTP/1.1 request on a fresh connection; returns (status, body).
 pub async fn http(addr: SocketAddr, method: &str, path: &str) -> Result<(u16, String)> {
+    let s = tokio::time::timeout(Duration::from_secs(10), TcpStream::connect(addr))
+        .await
+        .with_context(|| format!("connecting to {addr} timed out"))?
+        .with_context(|| format!("connecting to {addr}"))?;
+    http_on(s, addr, method, path).await
+}
+
+/// One HTTP/1.1 request on `s`, a fresh connection to `addr` (made from
+/// wherever the caller needs, e.g. inside a pod); returns (status, body).
+pub async fn http_on(
+    mut s: TcpStream,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+) -> Result<(u16, String)> {
     let fut = async {
-        let mut s = TcpStream::connect(addr)
-            .await
-            .with_context(|| format!("connecting to {addr}"))?;
         let req = format!(
             "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
         );

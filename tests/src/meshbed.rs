@@ -7,6 +7,7 @@
 //!  MeshBed::new(nodes, pods)      netns per node and pod, IPs assigned
 //!  (MeshBed::dual_stack: IPv6 too; each pod's YAML lists both addresses)
 //!  bed.start(extra_yaml).await    control plane + ztunnels + ZDS hand-over
+//!  bed.start_waypoint("wp-0")     agent + real Envoy in a PodSpec::waypoint pod
 //!  bed.connect("client", addr)    a plain connection from inside a pod
 //! ```
 //!
@@ -29,6 +30,7 @@ use anyhow::{Context, Result, bail};
 use tokio::net::TcpStream;
 
 use crate::netbed::{self, App, Cluster, PodNet, redirect};
+use crate::waypointpod::{WaypointPod, WaypointPodSpec};
 
 /// Bound on every wait of the bed.
 pub const WAIT: Duration = Duration::from_secs(15);
@@ -48,6 +50,12 @@ pub struct PodSpec {
     /// Handed over ZDS (with its redirection) when enrolled; `false`
     /// leaves an enrolled pod's netns to the test (e.g. an impostor).
     pub handover: bool,
+    /// `version` label.
+    pub version: String,
+    /// More labels (e.g. `istio.io/use-waypoint`).
+    pub labels: Vec<(String, String)>,
+    /// A waypoint pod: the Gateway it runs (see [`PodSpec::waypoint`]).
+    pub gateway: Option<String>,
 }
 
 impl PodSpec {
@@ -62,6 +70,9 @@ impl PodSpec {
             app: app.into(),
             enrolled: true,
             handover: true,
+            version: "v1".into(),
+            labels: Vec::new(),
+            gateway: None,
         }
     }
 
@@ -71,6 +82,37 @@ impl PodSpec {
             enrolled: false,
             ..Self::mesh(name, namespace, node, app)
         }
+    }
+
+    /// A pod of waypoint Gateway `gateway` (service account `gateway`):
+    /// labelled `gateway.networking.k8s.io/gateway-name` and
+    /// `istio.io/dataplane-mode: none` (never captured: its Envoy speaks
+    /// HBONE itself). [`MeshBed::start_waypoint`] runs its agent and Envoy.
+    pub fn waypoint(name: &str, namespace: &str, node: usize, gateway: &str) -> Self {
+        Self {
+            enrolled: false,
+            gateway: Some(gateway.into()),
+            labels: vec![
+                (
+                    "gateway.networking.k8s.io/gateway-name".into(),
+                    gateway.into(),
+                ),
+                ("istio.io/dataplane-mode".into(), "none".into()),
+            ],
+            ..Self::mesh(name, namespace, node, gateway)
+        }
+    }
+
+    /// With `version` as its `version` label.
+    pub fn version(mut self, version: &str) -> Self {
+        self.version = version.into();
+        self
+    }
+
+    /// With one more label.
+    pub fn label(mut self, key: &str, value: &str) -> Self {
+        self.labels.push((key.into(), value.into()));
+        self
     }
 }
 
@@ -93,6 +135,16 @@ pub struct MeshBed {
     /// (xDS plaintext, xDS TLS, monitoring) of the stopped control plane,
     /// so [`MeshBed::restart_control_plane`] binds them again.
     stopped_cp: Option<(SocketAddr, SocketAddr, SocketAddr)>,
+    /// Running waypoint pods, by pod name.
+    waypoints: BTreeMap<String, WaypointPod>,
+}
+
+impl Drop for MeshBed {
+    fn drop(&mut self) {
+        // Agents and Envoys first (killed with their process groups),
+        // before the cluster's namespaces go.
+        self.waypoints.clear();
+    }
 }
 
 /// The name of node `i` in the beds' YAML and tokens.
@@ -217,6 +269,7 @@ impl MeshBed {
             tune_control: |_| {},
             tune_ztunnel: |_| {},
             stopped_cp: None,
+            waypoints: BTreeMap::new(),
         })
     }
 
@@ -271,15 +324,18 @@ impl MeshBed {
             y.push_str("---\n");
         }
         for s in &self.specs {
+            let mut labels = format!("app: {}, version: {}", s.app, s.version);
+            for (k, v) in &s.labels {
+                let _ = write!(labels, ", {k}: {v:?}");
+            }
             let _ = write!(
                 y,
                 "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {}\n  namespace: {}\n  uid: {}\n  \
-                 labels: {{app: {}, version: v1}}\nspec:\n  nodeName: {}\n  serviceAccountName: {}\n\
+                 labels: {{{labels}}}\nspec:\n  nodeName: {}\n  serviceAccountName: {}\n\
                  status:\n  podIP: {}\n",
                 s.name,
                 s.namespace,
                 pod_uid(s),
-                s.app,
                 node_name(s.node),
                 s.service_account,
                 self.ip(&s.name)
@@ -527,8 +583,71 @@ impl MeshBed {
         Ok(())
     }
 
+    /// Starts the agent and Envoy of waypoint pod `name` (a
+    /// [`PodSpec::waypoint`]) inside its netns, with the mesh CA's
+    /// certificate for its service account, and waits until it is ready.
+    /// Needs [`MeshBed::start`] first.
+    pub async fn start_waypoint(&mut self, name: &str) -> Result<()> {
+        let spec = self
+            .specs
+            .iter()
+            .find(|s| s.name == name)
+            .with_context(|| format!("no pod {name} in the bed"))?
+            .clone();
+        let gateway = spec
+            .gateway
+            .clone()
+            .with_context(|| format!("pod {name} is no waypoint pod (PodSpec::waypoint)"))?;
+        let cp = self
+            .cp
+            .as_ref()
+            .context("start the bed (MeshBed::start) before its waypoints")?;
+        let token_file = self.data.path().join(format!("token-{}", spec.node));
+        if !token_file.is_file() {
+            bail!("no node token for node {} (is the bed started?)", spec.node);
+        }
+        let wp = WaypointPod::start(WaypointPodSpec {
+            pod: self.pod(name).clone(),
+            namespace: spec.namespace.clone(),
+            pod_name: spec.name.clone(),
+            node_name: node_name(spec.node),
+            service_account: spec.service_account.clone(),
+            gateway,
+            control_plane: cp.xds_tls_addr(),
+            root_cert: self.data.path().join("cp/ca/root-cert.pem"),
+            token_file,
+            envoy: crate::envoy::envoy_binary()?,
+        })
+        .await?;
+        wp.wait_ready(crate::waypointpod::READY_LIMIT).await?;
+        self.waypoints.insert(name.to_string(), wp);
+        Ok(())
+    }
+
+    /// A running waypoint pod; panics when there is none of that name.
+    pub fn waypoint(&self, name: &str) -> &WaypointPod {
+        match self.waypoints.get(name) {
+            Some(w) => w,
+            None => panic!("no waypoint pod {name} started in the bed"),
+        }
+    }
+
+    /// The agent and Envoy log of waypoint pod `name`, if it was started.
+    pub fn waypoint_log(&self, name: &str) -> Option<String> {
+        self.waypoints.get(name).map(WaypointPod::log)
+    }
+
+    /// The same, to kill or restart it.
+    pub fn waypoint_mut(&mut self, name: &str) -> &mut WaypointPod {
+        match self.waypoints.get_mut(name) {
+            Some(w) => w,
+            None => panic!("no waypoint pod {name} started in the bed"),
+        }
+    }
+
     /// Stops the ztunnels and the control plane.
     pub async fn shutdown(mut self) {
+        self.waypoints.clear();
         for zt in self.ztunnels.drain(..).flatten() {
             zt.shutdown().await;
         }

@@ -143,7 +143,16 @@ async fn hbone_is_no_open_proxy_and_trusts_no_impostor() {
             while let Ok((tcp, _)) = l.accept().await {
                 let server = ambit_ztunnel::hbone::HboneServer::new(cfg.clone());
                 tokio::spawn(async move {
-                    let _ = server.serve(tcp, |_| Ok(()), |_, _| async {}).await;
+                    // An impostor that would accept any tunnel.
+                    let _ = server
+                        .serve(
+                            tcp,
+                            |_| Ok(()),
+                            |_, pending| async move {
+                                let _ = pending.accept();
+                            },
+                        )
+                        .await;
                 });
             }
         }));

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use ambit_control::ca::{Caller, StaticTokens};
 use ambit_control::model::waypoint::{
-    BoundEndpoint, BoundPort, BoundService, Protocol, WaypointPlan, families,
+    BoundEndpoint, BoundPort, BoundService, BoundWorkload, Protocol, WaypointPlan, families,
 };
 use ambit_control::model::{ModelOptions, Snapshot, Store, build_snapshot};
 use ambit_control::xds::{ProxyRegistry, XdsAccess, XdsMetrics, XdsServer};
@@ -29,6 +29,7 @@ fn endpoint(ip: [u8; 4], sa: &str, version: &str) -> BoundEndpoint {
         ports: vec![(80, 8080), (9000, 9000)],
         identity: format!("spiffe://cluster.local/ns/shop/sa/{sa}"),
         labels: BTreeMap::from([("version".to_string(), version.to_string())]),
+        workload: Default::default(),
         healthy: true,
     }
 }
@@ -62,6 +63,7 @@ fn plan() -> WaypointPlan {
                 bound: true,
                 rules: Default::default(),
                 destination_rule: None,
+                rbac: BTreeMap::new(),
             },
             BoundService {
                 namespace: "shop".into(),
@@ -77,8 +79,17 @@ fn plan() -> WaypointPlan {
                 bound: true,
                 rules: Default::default(),
                 destination_rule: None,
+                rbac: BTreeMap::new(),
             },
         ],
+        // A workload bound by IP (a waypoint for workloads): its L4 filter
+        // chain tunnels through an identity the endpoints already use.
+        workloads: vec![BoundWorkload {
+            namespace: "shop".into(),
+            name: "db-0".into(),
+            ips: vec![IpAddr::from([10, 10, 1, 30])],
+            identity: "spiffe://cluster.local/ns/shop/sa/llm".into(),
+        }],
         findings: Vec::new(),
     }
 }
@@ -190,9 +201,9 @@ async fn bed(snapshots: watch::Receiver<Arc<Snapshot>>) -> Bed {
 impl Bed {
     /// Waits until the stream processed snapshot `seq` and Envoy ACKed the
     /// last response of every type; fails on any NACK.
-    async fn acked(&self, seq: u64, what: &str) {
+    async fn acked(&self, seq: u64, what: &str, limit: Duration) {
         let registry = self.registry.clone();
-        let done = ambit_tests::eventually(Duration::from_secs(30), what, || {
+        let done = ambit_tests::eventually(limit, what, || {
             let proxies = registry.proxies();
             async move {
                 let p = proxies.first()?;
@@ -232,7 +243,8 @@ async fn envoy_accepts_every_waypoint_resource() {
     snap.synced = true;
     let (_tx, rx) = watch::channel(Arc::new(snap));
     let bed = bed(rx).await;
-    bed.acked(1, "ACKs of CDS, EDS, LDS, RDS").await;
+    bed.acked(1, "ACKs of CDS, EDS, LDS, RDS", Duration::from_secs(30))
+        .await;
     let envoy = &bed.envoy;
     let p = bed.registry.proxies().remove(0);
     assert_eq!(p.kind, "waypoint");
@@ -291,7 +303,7 @@ async fn envoy_accepts_the_routing_corpus() {
     snap.synced = true;
     let (tx, rx) = watch::channel(Arc::new(snap));
     let bed = bed(rx).await;
-    bed.acked(1, "the base mesh").await;
+    bed.acked(1, "the base mesh", Duration::from_secs(30)).await;
     for path in &shapes {
         let mut objects = base.clone();
         objects.extend(read(path));
@@ -306,6 +318,9 @@ async fn envoy_accepts_the_routing_corpus() {
             path.display()
         );
         tx.send_replace(Arc::new(next));
-        bed.acked(seq, &path.display().to_string()).await;
+        // Promptly: an updated cluster gets its endpoints again, so Envoy
+        // never waits out its 15 s initial-fetch timeout warming it.
+        bed.acked(seq, &path.display().to_string(), Duration::from_secs(3))
+            .await;
     }
 }

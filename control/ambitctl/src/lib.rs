@@ -4,10 +4,9 @@
 //! module per family in `src/commands/`) only parses flags, calls these and
 //! prints.
 //!
-//! Families today: [`local`] (a whole mesh on this host, SPEC §5). The
-//! others of SPEC §6 — `analyze`, `proxy_status`, `proxy_config`,
-//! `ztunnel_config`, `authn`, `install` — each get a module here and one in
-//! `src/commands/` of the same name.
+//! Families: [`local`] (a whole mesh on this host, SPEC §5) and
+//! [`analyze`] (config mistakes before they bite); each has a module here
+//! and one in `src/commands/` of the same name.
 //!
 //! This crate is the only one besides `tests` and `benches` that may depend
 //! on every Ambit crate (control, ztunnel, cni; SPEC §1). It depends on what
@@ -15,5 +14,13 @@
 //! [`config`](crate::config) (crate-private).
 #![forbid(unsafe_code)]
 
+pub mod analyze;
+pub mod authn;
 mod config;
+pub mod http;
 pub mod local;
+pub mod metrics;
+pub mod proxy_config;
+pub mod proxy_status;
+pub mod table;
+pub mod ztunnel_config;

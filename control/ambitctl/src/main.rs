@@ -29,12 +29,30 @@ enum Command {
     /// background processes. Needs root.
     #[command(subcommand)]
     Local(commands::local::LocalCmd),
+    /// Finds config mistakes before they bite, in files or the live mesh.
+    Analyze(commands::analyze::AnalyzeArgs),
+    /// Every connected proxy and whether it took what it was sent.
+    ProxyStatus(commands::proxy_status::ProxyStatusArgs),
+    /// What an Envoy (waypoint or sidecar) holds: routes, clusters,
+    /// listeners, endpoints, secrets.
+    ProxyConfig(commands::proxy_config::ProxyConfigArgs),
+    /// What a ztunnel holds: workloads, services, policies, certificates,
+    /// and the connections it carried.
+    ZtunnelConfig(commands::ztunnel_config::ZtunnelConfigArgs),
+    /// Authentication checks.
+    #[command(subcommand)]
+    Authn(commands::authn::AuthnCmd),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Local(cmd) => commands::local::run(cmd),
+        Command::Analyze(args) => commands::analyze::run(args),
+        Command::ProxyStatus(args) => commands::proxy_status::run(args),
+        Command::ProxyConfig(args) => commands::proxy_config::run(args),
+        Command::ZtunnelConfig(args) => commands::ztunnel_config::run(args),
+        Command::Authn(cmd) => commands::authn::run(cmd),
     };
     match result {
         Ok(code) => code,

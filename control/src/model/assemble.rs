@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::index::LABEL_GATEWAY_NAME;
-use super::index::WorkloadDraft;
+use super::index::{WorkloadDraft, waypoint_scopes};
 use super::snapshot::{ResourceFamily, Snapshot, XdsResource};
 use super::store::{NamespaceObjects, Store};
 use super::waypoint::{self, WaypointPlan};
@@ -34,10 +34,11 @@ pub fn translate(store: &Store, opts: &ModelOptions) -> Translated {
     let mut root_policies = Vec::new();
     let mut keys: Vec<String> = Vec::new();
     let with_waypoint_services = waypoint_services(store);
+    let waypoints = waypoint_scopes(store);
     for (ns, objs) in store.spaces() {
         let ns_labels = store.namespace_labels(ns);
         let objs = with_waypoint_services.get(ns).unwrap_or(objs);
-        let cx = NsCx::new(ns, ns_labels, objs, opts);
+        let cx = NsCx::new(ns, ns_labels, objs, opts, &waypoints);
         let index = cx.translate(&mut wls, &mut keys, &mut out.addresses);
         authz::translate_namespace(
             ns,

@@ -7,10 +7,13 @@
 use std::collections::HashMap;
 use std::net::IpAddr;
 
+use ambit_config::gateway_api::WaypointFor;
 use ambit_config::objects::{
     LABEL_USE_WAYPOINT, LABEL_USE_WAYPOINT_NAMESPACE, Labels, Pod, WorkloadEntrySpec,
 };
 use ambit_proto::workload::{Port, Workload};
+
+use super::store::Store;
 
 /// DNS domain of the cluster (service hostnames `name.ns.svc.<suffix>`).
 pub const DOMAIN_SUFFIX: &str = "cluster.local";
@@ -26,6 +29,51 @@ pub const LABEL_GATEWAY_NAME: &str = "gateway.networking.k8s.io/gateway-name";
 pub struct WaypointRef {
     pub namespace: String,
     pub name: String,
+}
+
+/// What traffic each waypoint Gateway of the store handles
+/// (`istio.io/waypoint-for`); a Gateway with an unknown value is absent.
+pub type WaypointScopes = std::collections::BTreeMap<WaypointRef, WaypointFor>;
+
+/// The traffic an object bound to a waypoint sends it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaypointTraffic {
+    /// Traffic addressed to a service (its VIP or hostname).
+    Service,
+    /// Traffic addressed to a workload (its IP).
+    Workload,
+}
+
+/// The waypoints of `store` and what each handles.
+pub fn waypoint_scopes(store: &Store) -> WaypointScopes {
+    let mut out = WaypointScopes::new();
+    for (ns, objs) in store.spaces() {
+        for (name, gw) in &objs.gateways {
+            if !gw.is_waypoint() {
+                continue;
+            }
+            if let Some(scope) = gw.waypoint_for() {
+                let key = WaypointRef {
+                    namespace: ns.to_string(),
+                    name: name.clone(),
+                };
+                out.insert(key, scope);
+            }
+        }
+    }
+    out
+}
+
+/// Whether a waypoint handling `scope` takes `traffic` (Istio: a Service
+/// names only a waypoint for services, a workload only one for workloads;
+/// `all` is both).
+pub fn waypoint_serves(scope: WaypointFor, traffic: WaypointTraffic) -> bool {
+    matches!(
+        (scope, traffic),
+        (WaypointFor::All, _)
+            | (WaypointFor::Service, WaypointTraffic::Service)
+            | (WaypointFor::Workload, WaypointTraffic::Workload)
+    )
 }
 
 /// `istio.io/use-waypoint` on the object, else on its namespace (with

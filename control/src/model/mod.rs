@@ -45,6 +45,9 @@ mod workloads_tests;
 // part of the model's API (`SourceUpdate`, `Store`).
 pub use ambit_config::{Change, ConfigError, Kind, Object, ObjectKey};
 pub use assemble::{Translated, build_snapshot, translate};
+// What ztunnel cannot enforce of an AuthorizationPolicy, for the writer's
+// warning and for `ambitctl analyze`.
+pub use authz::{l7_fields, l7_warning, unsupported_warning};
 pub use snapshot::{
     MESH_SCOPE, ResourceDelta, ResourceFamily, ResourceSet, Snapshot, TypedSet, XdsResource,
 };

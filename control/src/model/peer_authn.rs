@@ -35,7 +35,7 @@ use ambit_proto::security::{
 use super::index::{ROOT_NAMESPACES, WorkloadDraft};
 use super::snapshot::XdsResource;
 use super::store::Store;
-use ambit_config::objects::{Labels, MtlsMode, PeerAuthentication};
+use ambit_config::objects::{Labels, MtlsMode, PeerAuthentication, selector_matches};
 
 /// Name of the shared STRICT policy (Istio's).
 pub const STATIC_STRICT_NAME: &str = "istio_converted_static_strict";
@@ -160,6 +160,109 @@ pub fn static_strict() -> Authorization {
     )
 }
 
+/// The mesh-wide mode: the selector-less policy of the first root namespace
+/// that has one setting a mode (none: PERMISSIVE), with that policy.
+fn mesh_policy(store: &Store) -> Option<(Effective, &'static str, &PeerAuthentication)> {
+    ROOT_NAMESPACES.iter().find_map(|root| {
+        let (_, objs) = store.spaces().find(|(ns, _)| ns == root)?;
+        let pa = namespace_wide(&objs.peer_authentications)?;
+        Some((top_mode(pa)?, *root, pa))
+    })
+}
+
+/// Which PeerAuthentication decided a mode, at which level.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DecidedBy {
+    /// A selector policy of the workload's namespace (`namespace/name`).
+    Workload(String),
+    /// The namespace's selector-less policy.
+    Namespace(String),
+    /// The selector-less policy of a root namespace.
+    Mesh(String),
+    /// No policy sets a mode: PERMISSIVE.
+    Default,
+}
+
+/// The effective mode of one workload, as [`apply`] resolves it, and the
+/// policy that decided it — for `ambitctl authn tls-check`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// The mode of every port without a port-level override, as written
+    /// (`Unset` when no level sets one: PERMISSIVE). DISABLE acts as
+    /// PERMISSIVE in ambient mode.
+    pub mode: MtlsMode,
+    pub effective: Effective,
+    pub decided_by: DecidedBy,
+    /// `portLevelMtls` of the workload's selector policy: port, mode as
+    /// written, effective mode.
+    pub ports: Vec<(u16, MtlsMode, Effective)>,
+}
+
+/// Resolves the mode of a workload with `labels` in namespace `ns` with
+/// the precedence [`apply`] uses: the first (by name) selector policy of
+/// the namespace that selects it, then the namespace's selector-less one,
+/// then the mesh-wide one; UNSET inherits.
+pub fn decide(store: &Store, ns: &str, labels: &Labels) -> Decision {
+    let declared =
+        |pa: &PeerAuthentication| pa.spec.mtls.as_ref().map_or(MtlsMode::Unset, |m| m.mode);
+    let (mut mode, mut eff, mut decided_by) = match mesh_policy(store) {
+        Some((m, root, pa)) => (
+            declared(pa),
+            m,
+            DecidedBy::Mesh(format!("{root}/{}", pa.metadata.name)),
+        ),
+        None => (MtlsMode::Unset, Effective::Permissive, DecidedBy::Default),
+    };
+    let pas = store
+        .spaces()
+        .find(|(n, _)| *n == ns)
+        .map(|(_, objs)| &objs.peer_authentications);
+    let Some(pas) = pas else {
+        return Decision {
+            mode,
+            effective: eff,
+            decided_by,
+            ports: Vec::new(),
+        };
+    };
+    if let Some(pa) = namespace_wide(pas)
+        && let Some(m) = top_mode(pa)
+    {
+        (mode, eff) = (declared(pa), m);
+        decided_by = DecidedBy::Namespace(format!("{ns}/{}", pa.metadata.name));
+    }
+    let winner = (!ROOT_NAMESPACES.contains(&ns))
+        .then(|| {
+            pas.values()
+                .find(|p| selector(p).is_some_and(|sel| selector_matches(sel, labels)))
+        })
+        .flatten();
+    let Some(pa) = winner else {
+        return Decision {
+            mode,
+            effective: eff,
+            decided_by,
+            ports: Vec::new(),
+        };
+    };
+    if let Some(m) = top_mode(pa) {
+        (mode, eff) = (declared(pa), m);
+        decided_by = DecidedBy::Workload(format!("{ns}/{}", pa.metadata.name));
+    }
+    let ports = pa
+        .spec
+        .port_level_mtls
+        .iter()
+        .map(|(port, m)| (*port, m.mode, effective(m.mode).unwrap_or(eff)))
+        .collect();
+    Decision {
+        mode,
+        effective: eff,
+        decided_by,
+        ports,
+    }
+}
+
 /// Per-namespace view: inherited mode and the selector policies.
 struct NsPolicies<'a> {
     parent: Effective,
@@ -169,18 +272,7 @@ struct NsPolicies<'a> {
 /// Resolves every workload's effective mode, names the converted policies in
 /// their `authorization_policies` and appends the policies used to `out`.
 pub(crate) fn apply(store: &Store, wls: &mut [WorkloadDraft<'_>], out: &mut Vec<XdsResource>) {
-    let mut mesh = None;
-    for root in ROOT_NAMESPACES {
-        if mesh.is_some() {
-            break;
-        }
-        mesh = store
-            .spaces()
-            .find(|(ns, _)| *ns == root)
-            .and_then(|(_, objs)| namespace_wide(&objs.peer_authentications))
-            .and_then(top_mode);
-    }
-    let mesh = mesh.unwrap_or(Effective::Permissive);
+    let mesh = mesh_policy(store).map_or(Effective::Permissive, |(m, _, _)| m);
     let mut by_ns: HashMap<&str, NsPolicies<'_>> = HashMap::new();
     let mut any = false;
     for (ns, objs) in store.spaces() {

@@ -133,31 +133,35 @@ fn store_holds_the_traffic_kinds_and_translation_ignores_them() {
         );
     }
     assert_eq!(store.nodes().count(), 1);
-    // The translators do not use them (yet): the snapshot is the pod's alone.
+    // Only the waypoint Gateway reaches the workload API, as the headless
+    // `waypoint.a.svc` Service it synthesizes; routes, rules and the rest
+    // are for Envoy and leave the pod's address and the policies untouched.
     let options = ModelOptions::default();
     let with = build_snapshot(&store, &Snapshot::default(), &options);
     let without = build_snapshot(&store_from(pod), &Snapshot::default(), &options);
     assert!(with.errors.is_empty(), "{:#?}", with.errors);
-    for type_url in [
-        ambit_proto::ADDRESS_TYPE_URL,
-        ambit_proto::AUTHORIZATION_TYPE_URL,
-    ] {
-        let versions = |s: &Snapshot| {
-            let set = &s.mesh(type_url).by_name;
-            let mut v: Vec<(String, String)> = set
-                .iter()
-                .map(|(n, r)| (n.clone(), r.version.clone()))
-                .collect();
-            v.sort();
-            v
-        };
-        assert_eq!(versions(&with), versions(&without), "{type_url}");
-    }
-    assert_eq!(
-        with.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name.len(),
-        1,
-        "the pod"
-    );
+    let versions = |s: &Snapshot, type_url: &str| {
+        let set = &s.mesh(type_url).by_name;
+        let mut v: Vec<(String, String)> = set
+            .iter()
+            .map(|(n, r)| (n.clone(), r.version.clone()))
+            .collect();
+        v.sort();
+        v
+    };
+    let authz = ambit_proto::AUTHORIZATION_TYPE_URL;
+    assert_eq!(versions(&with, authz), versions(&without, authz));
+    let addresses = ambit_proto::ADDRESS_TYPE_URL;
+    let mut expected = versions(&without, addresses);
+    assert_eq!(expected.len(), 1, "the pod");
+    let waypoint = "a/waypoint.a.svc.cluster.local";
+    let synthesized = versions(&with, addresses)
+        .into_iter()
+        .find(|(name, _)| name == waypoint)
+        .unwrap_or_else(|| panic!("{waypoint} is synthesized"));
+    expected.push(synthesized);
+    expected.sort();
+    assert_eq!(versions(&with, addresses), expected);
     // Changes flow: an edit replaces, a delete removes, `len` follows.
     let Some(Object::VirtualService(mut vs)) = store.get(&keys[0]) else {
         panic!("not a VirtualService")

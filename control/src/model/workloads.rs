@@ -18,8 +18,8 @@ use ambit_proto::workload::{
 
 use super::ModelOptions;
 use super::index::{
-    Backing, DOMAIN_SUFFIX, HBONE_PORT, LABEL_GATEWAY_NAME, LabelIndex, LabelView, WorkloadDraft,
-    ip_bytes, ip_from_bytes, waypoint_ref,
+    Backing, DOMAIN_SUFFIX, HBONE_PORT, LABEL_GATEWAY_NAME, LabelIndex, LabelView, WaypointScopes,
+    WaypointTraffic, WorkloadDraft, ip_bytes, ip_from_bytes, waypoint_ref, waypoint_serves,
 };
 use super::snapshot::XdsResource;
 use super::store::NamespaceObjects;
@@ -34,6 +34,7 @@ pub(crate) struct NsCx<'a> {
     ns_labels: &'a Labels,
     objs: &'a NamespaceObjects,
     opts: &'a ModelOptions,
+    waypoints: &'a WaypointScopes,
 }
 
 impl<'a> NsCx<'a> {
@@ -42,13 +43,30 @@ impl<'a> NsCx<'a> {
         ns_labels: &'a Labels,
         objs: &'a NamespaceObjects,
         opts: &'a ModelOptions,
+        waypoints: &'a WaypointScopes,
     ) -> Self {
         Self {
             ns,
             ns_labels,
             objs,
             opts,
+            waypoints,
         }
+    }
+
+    /// The waypoint an object with `labels` sends `traffic` to: the one it
+    /// is bound to, unless that waypoint is known not to handle such
+    /// traffic (`istio.io/waypoint-for`). A waypoint Gateway the config
+    /// does not define is still named, so traffic fails closed rather than
+    /// bypassing it.
+    fn waypoint(&self, labels: &Labels, traffic: WaypointTraffic) -> Option<GatewayAddress> {
+        let w = waypoint_ref(self.ns, self.ns_labels, labels)?;
+        if let Some(scope) = self.waypoints.get(&w)
+            && !waypoint_serves(*scope, traffic)
+        {
+            return None;
+        }
+        waypoint_for(self.ns, self.ns_labels, labels)
     }
 
     /// Translates the namespace's workloads (drafts appended to `wls`),
@@ -205,7 +223,7 @@ impl<'a> NsCx<'a> {
             if !sidecar && (is_enrolled(self.ns_labels, labels) || self.is_waypoint_pod(labels)) {
                 w.tunnel_protocol = TunnelProtocol::Hbone as i32;
             }
-            w.waypoint = waypoint_for(self.ns, self.ns_labels, labels);
+            w.waypoint = self.waypoint(labels, WaypointTraffic::Workload);
             if !pod.is_healthy() {
                 w.status = WorkloadStatus::Unhealthy as i32;
             }
@@ -270,7 +288,7 @@ impl<'a> NsCx<'a> {
         if is_enrolled(self.ns_labels, labels) {
             w.tunnel_protocol = TunnelProtocol::Hbone as i32;
         }
-        w.waypoint = waypoint_for(self.ns, self.ns_labels, labels);
+        w.waypoint = self.waypoint(labels, WaypointTraffic::Workload);
         Some(WorkloadDraft {
             w,
             backing: Backing::Entry(spec),
@@ -373,7 +391,7 @@ impl<'a> NsCx<'a> {
                 hostname,
                 addresses: self.network_addresses(&svc.spec.vips),
                 ports,
-                waypoint: waypoint_for(self.ns, self.ns_labels, labels),
+                waypoint: self.waypoint(labels, WaypointTraffic::Service),
                 ..Default::default()
             };
             out.push(self.service_resource(msg, &svc.spec.vips));
@@ -483,7 +501,7 @@ impl<'a> NsCx<'a> {
                 .iter()
                 .map(|h| push_key(keys, format!("{}/{}", self.ns, h)))
                 .collect();
-            let waypoint = waypoint_for(self.ns, self.ns_labels, &se.metadata.labels);
+            let waypoint = self.waypoint(&se.metadata.labels, WaypointTraffic::Service);
             for host in &spec.hosts {
                 let ports = spec
                     .ports
@@ -533,7 +551,7 @@ impl<'a> NsCx<'a> {
                 {
                     w.tunnel_protocol = TunnelProtocol::Hbone as i32;
                 }
-                w.waypoint = waypoint_for(self.ns, self.ns_labels, &ep.labels);
+                w.waypoint = self.waypoint(&ep.labels, WaypointTraffic::Workload);
                 let mut wl = WorkloadDraft {
                     w,
                     backing: Backing::Entry(ep),

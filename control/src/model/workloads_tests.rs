@@ -101,7 +101,7 @@ fn ports(list: &[(u32, u32)]) -> Vec<Port> {
         .collect()
 }
 
-fn waypoint_host(w: &Option<GatewayAddress>) -> Option<(String, String, u32)> {
+pub(crate) fn waypoint_host(w: &Option<GatewayAddress>) -> Option<(String, String, u32)> {
     let w = w.as_ref()?;
     match w.destination.as_ref()? {
         gateway_address::Destination::Hostname(h) => {

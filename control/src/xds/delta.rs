@@ -326,6 +326,13 @@ impl DeltaStream {
             } else if sub.names.insert(n.clone()) {
                 new_names.push(n);
                 changed = true;
+            } else if !sub.wildcard {
+                // Subscribing again to a name it has asks for the resource
+                // again (Envoy does this for a cluster it re-warms and then
+                // waits for the endpoints): forget what was sent.
+                if let Some(primary) = set.resolve(&n) {
+                    changed |= sub.sent.remove(primary).is_some();
+                }
             }
         }
         for n in req.resource_names_unsubscribe {
@@ -391,21 +398,42 @@ impl DeltaStream {
     async fn on_snapshot(&mut self, snap: Arc<Snapshot>) -> Result<(), StreamEnd> {
         let consecutive = snap.seq == self.snap.seq + 1;
         self.snap = snap;
+        // Names whose resources of a later type must be sent again.
+        let mut resend: Vec<(&'static str, Vec<String>)> = Vec::new();
         for spec in self.ctx.served_types() {
             let Some(idx) = self.subs.iter().position(|s| s.spec == spec) else {
                 continue;
             };
             let Served { set, delta } = self.ctx.generate(&self.snap, spec.type_url);
+            let again: Vec<String> = resend
+                .iter()
+                .filter(|(t, _)| *t == spec.type_url)
+                .flat_map(|(_, names)| names.iter().cloned())
+                .collect();
             let sub = &mut self.subs[idx];
-            if Arc::ptr_eq(&sub.current, &set) {
+            if Arc::ptr_eq(&sub.current, &set) && again.is_empty() {
                 continue;
             }
-            let changes = match (sub.wildcard, consecutive, delta) {
+            let mut changes = match (sub.wildcard, consecutive, delta) {
+                _ if Arc::ptr_eq(&sub.current, &set) => Changes::default(),
                 (true, true, Some(d)) => sub.wildcard_delta(&set, &d),
                 (true, _, _) => sub.wildcard_diff(&sub.current, &set),
                 (false, _, _) => sub.reconcile_explicit(&set, &[]),
             };
-            sub.current = set;
+            sub.current = set.clone();
+            for name in again {
+                let held = sub.wildcard || sub.sent.contains_key(&name);
+                let queued = changes.resources.iter().any(|r| r.name == name);
+                if let (true, false, Some(res)) = (held, queued, set.by_name.get(&name)) {
+                    changes.resources.push(sub.to_resource(res));
+                }
+            }
+            if let Some(follower) = spec.resend_with {
+                let names: Vec<String> = changes.resources.iter().map(|r| r.name.clone()).collect();
+                if !names.is_empty() {
+                    resend.push((follower, names));
+                }
+            }
             if !changes.is_empty() {
                 self.send(idx, changes).await?;
             }
@@ -513,7 +541,7 @@ impl DeltaStream {
             let t = p.types.entry(type_url.to_string()).or_default();
             t.pushes += chunks as u64;
             t.resources_held = held;
-            t.last_nonce_sent = nonce;
+            t.sent(nonce, seq.to_string());
         });
         Ok(())
     }

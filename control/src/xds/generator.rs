@@ -21,6 +21,10 @@ pub struct TypeSpec {
     pub type_url: &'static str,
     /// Short name for metrics labels and logs (`address`, `cluster`, ...).
     pub label: &'static str,
+    /// When resources of this type change, the resources of the same names
+    /// of this (later-pushed) type are sent again even if unchanged: Envoy
+    /// warms an updated cluster until it receives its endpoints anew.
+    pub resend_with: Option<&'static str>,
 }
 
 /// The resources one proxy is served of one type, in one snapshot.

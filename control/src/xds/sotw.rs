@@ -111,10 +111,17 @@ impl SotwStream {
                         return Err(StreamEnd::ModelStopped);
                     }
                     self.snap = snapshots.borrow_and_update().clone();
-                    // In the generator's type order (ADS ordering).
+                    // In the generator's type order (ADS ordering); a type
+                    // that follows a changed one is sent again in full.
+                    let mut force: Vec<&'static str> = Vec::new();
                     for spec in self.ctx.served_types() {
                         if let Some(idx) = self.subs.iter().position(|s| s.spec == spec) {
-                            self.push_if_changed(idx, false).await?;
+                            let pushed = self
+                                .push_if_changed(idx, force.contains(&spec.type_url))
+                                .await?;
+                            if let (true, Some(f)) = (pushed, spec.resend_with) {
+                                force.push(f);
+                            }
                         }
                     }
                 }
@@ -152,8 +159,8 @@ impl SotwStream {
     }
 
     /// Sends the full subscribed set of `subs[idx]` when it differs from the
-    /// last one sent, or always when `force`.
-    async fn push_if_changed(&mut self, idx: usize, force: bool) -> Result<(), StreamEnd> {
+    /// last one sent, or always when `force`; true when it sent.
+    async fn push_if_changed(&mut self, idx: usize, force: bool) -> Result<bool, StreamEnd> {
         let sub = &self.subs[idx];
         let spec = sub.spec;
         let type_url = spec.type_url;
@@ -161,7 +168,7 @@ impl SotwStream {
         let set = &*served.set;
         let wanted = sub.wanted(set);
         if !force && !sub.differs(&wanted) {
-            return Ok(());
+            return Ok(false);
         }
         let mut bytes = 0usize;
         let body: Vec<_> = wanted
@@ -191,7 +198,7 @@ impl SotwStream {
             let t = p.types.entry(type_url.to_string()).or_default();
             t.pushes += 1;
             t.resources_held = held;
-            t.last_nonce_sent = nonce_copy;
+            t.sent(nonce_copy, seq.to_string());
             p.last_snapshot_seq = seq;
         });
         let resp = DiscoveryResponse {
@@ -204,6 +211,7 @@ impl SotwStream {
         self.tx
             .send(Ok(resp))
             .await
-            .map_err(|_| StreamEnd::ClientGone)
+            .map_err(|_| StreamEnd::ClientGone)?;
+        Ok(true)
     }
 }

@@ -73,9 +73,40 @@ pub struct TypeStatus {
     pub resources_held: usize,
     pub last_nonce_sent: String,
     pub last_nonce_acked: String,
+    /// The version (snapshot sequence) of the last response sent.
+    pub last_version_sent: String,
+    /// The version the proxy last ACKed (empty until it ACKs a response
+    /// whose version is known).
+    pub last_version_acked: String,
+    /// The error of the last NACK, until a later response is ACKed.
+    pub last_nack: String,
     pub acks: u64,
     pub nacks: u64,
     pub pushes: u64,
+}
+
+impl TypeStatus {
+    /// A response with `nonce` and `version` was sent.
+    pub fn sent(&mut self, nonce: String, version: String) {
+        self.last_nonce_sent = nonce;
+        self.last_version_sent = version;
+    }
+
+    /// The proxy ACKed `nonce`.
+    pub fn acked(&mut self, nonce: String) {
+        self.acks += 1;
+        if nonce == self.last_nonce_sent {
+            self.last_version_acked = self.last_version_sent.clone();
+        }
+        self.last_nonce_acked = nonce;
+        self.last_nack.clear();
+    }
+
+    /// The proxy NACKed a response with `message`.
+    pub fn nacked(&mut self, message: String) {
+        self.nacks += 1;
+        self.last_nack = message;
+    }
 }
 
 /// One connected proxy as `/debug/connections` shows it.
@@ -157,5 +188,34 @@ impl ProxyRegistry {
 
     pub fn nacks(&self) -> Vec<NackRecord> {
         self.lock().nacks.iter().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TypeStatus;
+
+    #[test]
+    fn versions_follow_sends_acks_and_nacks() {
+        let mut t = TypeStatus::default();
+        t.sent("1-1".into(), "7".into());
+        t.acked("1-1".into());
+        assert_eq!(
+            (t.last_version_sent.as_str(), t.last_version_acked.as_str()),
+            ("7", "7")
+        );
+        t.sent("1-2".into(), "8".into());
+        t.nacked("bad route".into());
+        assert_eq!(t.last_version_acked, "7");
+        assert_eq!(t.last_nack, "bad route");
+        // An ACK of an older nonce keeps the known version; a later ACK
+        // clears the NACK.
+        t.sent("1-3".into(), "9".into());
+        t.acked("1-3".into());
+        assert_eq!(
+            (t.last_version_acked.as_str(), t.last_nack.as_str()),
+            ("9", "")
+        );
+        assert_eq!((t.acks, t.nacks), (2, 1));
     }
 }

@@ -214,9 +214,10 @@ impl StreamCtx {
         let Some(err) = error else {
             let nonce = nonce.to_string();
             self.shared.registry.update(self.id, |p| {
-                let t = p.types.entry(type_url.to_string()).or_default();
-                t.acks += 1;
-                t.last_nonce_acked = nonce;
+                p.types
+                    .entry(type_url.to_string())
+                    .or_default()
+                    .acked(nonce);
             });
             return;
         };
@@ -237,8 +238,12 @@ impl StreamCtx {
             nonce: nonce.to_string(),
             message: err.message.clone(),
         });
+        let message = err.message.clone();
         self.shared.registry.update(self.id, |p| {
-            p.types.entry(type_url.to_string()).or_default().nacks += 1;
+            p.types
+                .entry(type_url.to_string())
+                .or_default()
+                .nacked(message);
         });
     }
 }

@@ -16,18 +16,22 @@ const TYPES: &[TypeSpec] = &[
     TypeSpec {
         type_url: CLUSTER_TYPE,
         label: "cds",
+        resend_with: Some(ENDPOINT_TYPE),
     },
     TypeSpec {
         type_url: ENDPOINT_TYPE,
         label: "eds",
+        resend_with: None,
     },
     TypeSpec {
         type_url: LISTENER_TYPE,
         label: "lds",
+        resend_with: None,
     },
     TypeSpec {
         type_url: ROUTE_TYPE,
         label: "rds",
+        resend_with: None,
     },
 ];
 

@@ -15,10 +15,12 @@ const TYPES: &[TypeSpec] = &[
     TypeSpec {
         type_url: ambit_proto::ADDRESS_TYPE_URL,
         label: "address",
+        resend_with: None,
     },
     TypeSpec {
         type_url: ambit_proto::AUTHORIZATION_TYPE_URL,
         label: "authorization",
+        resend_with: None,
     },
 ];
 

@@ -24,6 +24,7 @@
 //! [`can_run`] first and skip otherwise.
 
 pub mod capture;
+pub mod relay;
 pub use ambit_cni::redirect;
 
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -40,6 +41,7 @@ use tokio::task::{JoinHandle, JoinSet};
 
 pub use capture::{Capture, contains};
 pub use redirect::{RedirectPorts, ZTUNNEL_MARK};
+pub use relay::Relay;
 
 /// Where `ip netns` keeps named namespaces.
 pub const NETNS_DIR: &str = "/var/run/netns";
@@ -466,7 +468,8 @@ pub fn listen6(pod: &PodNet, port: u16) -> Result<TcpListener> {
     listen_on(pod, SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), port))
 }
 
-fn listen_on(pod: &PodNet, any: SocketAddr) -> Result<TcpListener> {
+/// A listener on `addr` inside the pod.
+pub fn listen_on(pod: &PodNet, any: SocketAddr) -> Result<TcpListener> {
     let std = pod
         .open()?
         .bind_listener(any, false)

@@ -10,6 +10,13 @@
 //! Istio's ztunnel's answer — so the client never gets a tunnel to a port
 //! nobody listens on. Refusals before that: 400 (ztunnel's own port), 403
 //! (not this pod's address), 401 (policy).
+//!
+//! Destinations bound to a waypoint get no special treatment, as in
+//! Istio's ztunnel: a connection that did not come through the waypoint is
+//! not refused for that (only L4 policy decides), and one the waypoint
+//! relays is authorized with the waypoint's identity as its source. The
+//! access log names the waypoint when the source pod is one of the
+//! destination's.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -21,6 +28,7 @@ use tracing::Instrument;
 
 use super::connection::{accept_loop, copy_until_drained, finish, original_dst};
 use super::metrics::{ConnectionOpen, ConnectionResult, Reporter, SecurityPolicy};
+use super::resolve::is_waypoint_of;
 use super::{PodContext, ProxyContext, ProxyError, peer_info, workload_identity};
 use crate::drain::DRAIN_DEADLINE;
 use crate::hbone::{ConnectRequest, HboneServer, PendingConnect};
@@ -112,6 +120,14 @@ fn inbound_open(
     let dst_id = dst_w
         .map(workload_identity)
         .unwrap_or_else(|| pod.identity(ctx, snap));
+    // Traffic the destination's waypoint forwards: its pod is the source
+    // (and its identity the peer's, which policy sees as the source).
+    let waypoint = match (src_w.as_deref(), dst_w) {
+        (Some(s), Some(d)) if peer.is_some() && is_waypoint_of(snap, s, d) => {
+            Some(format!("{}/{}", s.namespace, s.name))
+        }
+        _ => None,
+    };
     ConnectionOpen {
         reporter: Reporter::Destination,
         src,
@@ -124,6 +140,8 @@ fn inbound_open(
         } else {
             SecurityPolicy::None
         },
+        upstream: None,
+        waypoint,
     }
 }
 

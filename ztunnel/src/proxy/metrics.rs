@@ -181,6 +181,11 @@ pub struct ConnectionOpen {
     pub destination_service: Option<ServiceInfo>,
     /// mTLS or not.
     pub security: SecurityPolicy,
+    /// Where the proxy actually connected (the peer's HBONE address, a
+    /// waypoint's, or the plain destination), when it differs from `dst`.
+    pub upstream: Option<SocketAddr>,
+    /// The waypoint the connection went through (`namespace/pod`), if any.
+    pub waypoint: Option<String>,
 }
 
 fn or_unknown(s: &str) -> String {
@@ -347,6 +352,8 @@ pub struct ConnectionResult {
     dst: SocketAddr,
     src_name: String,
     dst_name: String,
+    upstream: Option<SocketAddr>,
+    waypoint: Option<String>,
     start: Instant,
     span: tracing::Span,
     sent: AtomicU64,
@@ -382,6 +389,8 @@ impl ConnectionResult {
             labels,
             src: open.src,
             dst: open.dst,
+            upstream: open.upstream,
+            waypoint: open.waypoint,
             start: Instant::now(),
             span,
             sent: AtomicU64::new(0),
@@ -475,6 +484,9 @@ impl ConnectionResult {
             ("-", "-")
         };
         let duration_ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let upstream = self
+            .upstream
+            .map_or_else(|| "-".to_string(), |a| a.to_string());
         tracing::event!(
             target: "access",
             parent: None,
@@ -488,6 +500,8 @@ impl ConnectionResult {
             dst.workload = %self.dst_name,
             dst.namespace = %labels.destination_workload_namespace,
             dst.identity = dst_identity,
+            upstream = %upstream,
+            waypoint = self.waypoint.as_deref().unwrap_or("-"),
             direction = labels.reporter.direction(),
             bytes_sent = sent,
             bytes_recv = received,

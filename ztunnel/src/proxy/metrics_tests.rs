@@ -36,6 +36,8 @@ fn open(security: SecurityPolicy) -> ConnectionOpen {
             namespace: "apps".to_string(),
         }),
         security,
+        upstream: None,
+        waypoint: None,
     }
 }
 
@@ -166,8 +168,11 @@ fn failed_connection_records_its_flag() {
 #[test]
 fn access_log_is_written_once_with_bytes_and_duration() {
     let m = Metrics::new();
+    let mut o = open(SecurityPolicy::MutualTls);
+    o.upstream = Some("10.0.2.9:15008".parse().unwrap());
+    o.waypoint = Some("apps/waypoint-0".to_string());
     let logs = capture_logs(|| {
-        let conn = ConnectionResult::new(open(SecurityPolicy::MutualTls), &m.tcp);
+        let conn = ConnectionResult::new(o, &m.tcp);
         conn.record_sent(7);
         conn.record_received(9);
         conn.finish();
@@ -188,6 +193,8 @@ fn access_log_is_written_once_with_bytes_and_duration() {
         "dst.service=echo.apps.svc.cluster.local",
         "dst.workload=echo-5c9b",
         "dst.identity=\"spiffe://cluster.local/ns/apps/sa/echo\"",
+        "upstream=10.0.2.9:15008",
+        "waypoint=\"apps/waypoint-0\"",
         "direction=\"outbound\"",
         "bytes_sent=7",
         "bytes_recv=9",
@@ -213,4 +220,6 @@ fn plaintext_logs_no_identities_and_unknown_labels() {
     assert_contains(&logs, "src.identity=\"-\"");
     assert_contains(&logs, "dst.identity=\"-\"");
     assert_contains(&logs, "src.workload=unknown");
+    assert_contains(&logs, "upstream=-");
+    assert_contains(&logs, "waypoint=\"-\"");
 }

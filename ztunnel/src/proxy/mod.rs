@@ -3,6 +3,7 @@
 //!
 //! ```text
 //!  app ──(REDIRECT)──▶ :15001 outbound ─ resolve ─┬─ HBONE: pool ══ mTLS + CONNECT ══▶ peer pod :15008
+//!                                                 ├─ waypoint-bound: pool ══ CONNECT original dst ══▶ waypoint :15008
 //!                                                 └─ plain TCP (non-mesh / unknown)
 //!  peer ztunnel ══ mTLS ══▶ :15008 inbound HBONE ─ address + policy check ─▶ app (inside the pod)
 //!  plaintext client ─(REDIRECT)─▶ :15006 inbound ─ policy (STRICT denies) ─▶ app (inside the pod)
@@ -53,7 +54,7 @@ use crate::state::{StateReader, Workload};
 use self::metrics::{PeerInfo, TcpMetrics};
 
 pub use pod::{ConnGuard, PodConnections, PodContext};
-pub use resolve::{Resolved, resolve};
+pub use resolve::{Resolved, WaypointMissing, resolve};
 pub use tls_cache::{TlsCache, TlsCacheStats};
 
 /// Trust domain of workloads that do not name one.
@@ -75,6 +76,16 @@ pub enum ProxyError {
     NotThisPod { addr: SocketAddr, pod: String },
     #[error("service {service} has no healthy endpoint for port {port}")]
     NoHealthyEndpoint { service: String, port: u16 },
+    #[error(
+        "{target} is bound to waypoint {waypoint}, which cannot be used: {why}; refusing the \
+         connection rather than bypassing the waypoint's policy (check that the waypoint's pods \
+         run and are ready)"
+    )]
+    NoWaypoint {
+        waypoint: String,
+        target: SocketAddr,
+        why: resolve::WaypointMissing,
+    },
     #[error("no certificate for {identity}: {source}")]
     Certificate {
         identity: Identity,

@@ -14,6 +14,7 @@ use tracing::Instrument;
 
 use super::connection::{accept_loop, copy_until_drained, finish, original_dst};
 use super::metrics::{ConnectionOpen, ConnectionResult, Reporter, SecurityPolicy, ServiceInfo};
+use super::resolve::gateway_name;
 use super::{
     PodContext, ProxyContext, ProxyError, Resolved, peer_info, resolve, workload_identity,
 };
@@ -64,36 +65,79 @@ async fn handle(
     };
     let snap = ctx.state.load();
     let src_w = snap.workload_by_ip(&ctx.network, src.ip().to_canonical());
-    let src_id = src_w
-        .as_deref()
-        .filter(|w| pod.matches_workload(w))
+    let own = src_w.as_deref().filter(|w| pod.matches_workload(w));
+    let src_id = own
         .map(workload_identity)
         .unwrap_or_else(|| pod.identity(&ctx, &snap));
-    let resolved = resolve(&snap, &ctx.network, dst, &ctx.round_robin);
+    let resolved = resolve(&snap, &ctx.network, own, dst, &ctx.round_robin);
     drop(snap);
 
-    let (dst_w, service, mtls) = match &resolved {
+    // Who the proxy connects to (the peer mTLS verifies), where, and
+    // through which waypoint.
+    let (peer_w, service, mtls, upstream, waypoint) = match &resolved {
         Resolved::Hbone {
-            workload, service, ..
-        } => (Some(workload.clone()), service.clone(), true),
+            workload,
+            service,
+            addr,
+        } => (
+            Some(workload.clone()),
+            service.clone(),
+            true,
+            Some(SocketAddr::new(addr.ip(), ctx.cfg.hbone_port)),
+            None,
+        ),
         Resolved::Direct {
-            workload, service, ..
-        } => (workload.clone(), service.clone(), false),
-        Resolved::NoEndpoint { service, .. } => (None, Some(service.clone()), false),
+            workload,
+            service,
+            addr,
+        } => (
+            workload.clone(),
+            service.clone(),
+            false,
+            (*addr != dst).then_some(*addr),
+            None,
+        ),
+        Resolved::NoEndpoint { service, .. } => (None, Some(service.clone()), false, None, None),
+        Resolved::Waypoint {
+            waypoint,
+            addr,
+            service,
+            ..
+        } => (
+            Some(waypoint.clone()),
+            service.clone(),
+            true,
+            Some(*addr),
+            Some(format!("{}/{}", waypoint.namespace, waypoint.name)),
+        ),
+        Resolved::NoWaypoint {
+            workload,
+            service,
+            gateway,
+            ..
+        } => (
+            workload.clone(),
+            service.clone(),
+            false,
+            None,
+            Some(gateway_name(gateway)),
+        ),
     };
-    let dst_id = dst_w.as_deref().filter(|_| mtls).map(workload_identity);
+    let dst_id = peer_w.as_deref().filter(|_| mtls).map(workload_identity);
     let open = ConnectionOpen {
         reporter: Reporter::Source,
         src,
         dst,
         source: peer_info(src_w.as_deref(), Some(&src_id)),
-        destination: peer_info(dst_w.as_deref(), dst_id.as_ref()),
+        destination: peer_info(peer_w.as_deref(), dst_id.as_ref()),
         destination_service: service.as_deref().map(service_info),
         security: if mtls {
             SecurityPolicy::MutualTls
         } else {
             SecurityPolicy::None
         },
+        upstream,
+        waypoint,
     };
     let result = ConnectionResult::new(open, &ctx.metrics);
     let span = result.span().clone();
@@ -113,18 +157,55 @@ async fn handle(
             }
             Resolved::Hbone { addr, workload, .. } => {
                 let headers = headers(src.ip(), src_w.as_deref());
+                let peer = SocketAddr::new(addr.ip(), ctx.cfg.hbone_port);
+                let id = workload_identity(&workload);
                 hbone(
                     &ctx,
                     &pod,
                     &mut downstream,
                     src,
                     &src_id,
-                    &workload,
+                    id,
+                    peer,
                     addr,
                     headers,
                 )
                 .await
             }
+            // The waypoint decides where the connection goes: the tunnel
+            // carries the original destination as its authority, and the
+            // peer must prove the waypoint's identity.
+            Resolved::Waypoint {
+                waypoint,
+                addr,
+                target,
+                ..
+            } => {
+                let headers = headers(src.ip(), src_w.as_deref());
+                let id = workload_identity(&waypoint);
+                hbone(
+                    &ctx,
+                    &pod,
+                    &mut downstream,
+                    src,
+                    &src_id,
+                    id,
+                    addr,
+                    target,
+                    headers,
+                )
+                .await
+            }
+            Resolved::NoWaypoint {
+                gateway,
+                target,
+                why,
+                ..
+            } => Err(ProxyError::NoWaypoint {
+                waypoint: gateway_name(&gateway),
+                target,
+                why,
+            }),
         };
         // A failure before the first byte closes the app's connection with
         // a reset, so it learns at once that its destination could not be
@@ -163,6 +244,8 @@ async fn direct(
     copy_until_drained(pod, downstream, upstream, &ctx.cfg.copy, None).await
 }
 
+/// HBONE to `peer` (a pod's or a waypoint's HBONE address) verified as
+/// `dst_id`, with `target` as the CONNECT authority.
 #[allow(clippy::too_many_arguments)]
 async fn hbone(
     ctx: &ProxyContext,
@@ -170,23 +253,22 @@ async fn hbone(
     downstream: &mut TcpStream,
     src: SocketAddr,
     src_id: &crate::identity::Identity,
-    dst_w: &Workload,
+    dst_id: crate::identity::Identity,
+    peer: SocketAddr,
     target: SocketAddr,
     headers: HeaderMap,
 ) -> Result<(u64, u64), ProxyError> {
-    let dst_id = workload_identity(dst_w);
     let cert = ctx.certificate(src_id).await?;
     let key = PoolKey {
         src: src_id.clone(),
         dst: dst_id.clone(),
-        dst_ip: target.ip(),
+        dst_ip: peer.ip(),
         src_ip: Some(src.ip()),
     };
     let dialer = PodDialer {
         sockets: pod.sockets.clone(),
         mark: ctx.cfg.mark,
     };
-    let peer = SocketAddr::new(target.ip(), ctx.cfg.hbone_port);
     let stream = ctx
         .pool
         .stream(

@@ -67,7 +67,9 @@ async fn hbone_peer(certs: &CertificateManager, peer: &Identity) -> SocketAddr {
             let server = server.clone();
             tokio::spawn(async move {
                 let _ = server
-                    .serve(tcp, |_| Ok(()), |_, s| async move { drop(s) })
+                    // Answer 200 (a dropped PendingConnect resets the
+                    // stream), then close the tunnel.
+                    .serve(tcp, |_| Ok(()), |_, s| async move { drop(s.accept()) })
                     .await;
             });
         }

@@ -121,6 +121,9 @@ pub fn run(cmd: LocalCmd) -> Result<ExitCode> {
                     "{}\n",
                     serde_json::to_string_pretty(&cluster.status()).context("encoding status")?
                 )),
+                Format::Yaml => {
+                    out(&serde_saphyr::to_string(&cluster.status()).context("encoding status")?)
+                }
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -28,6 +28,26 @@ pub const SECRET_CERTIFICATE: &str = "default";
 /// SDS name of the mesh trust bundle.
 pub const SECRET_ROOTS: &str = "ROOTCA";
 
+/// One hasher state for every map this module builds: the maps of Envoy's
+/// messages are `HashMap`s whose iteration (hence encoding) order depends on
+/// the hasher's keys, and a resource's version is a hash of its bytes.
+static MAP_STATE: std::sync::LazyLock<std::hash::RandomState> =
+    std::sync::LazyLock::new(std::hash::RandomState::new);
+
+/// A map for an Envoy message field whose encoding is the same every time
+/// it holds the same entries (within one process): entries are inserted in
+/// key order into a map of that exact capacity with the shared hasher
+/// state, so equal resources get equal bytes and keep their version.
+pub fn stable_map<V>(
+    entries: impl IntoIterator<Item = (String, V)>,
+) -> std::collections::HashMap<String, V> {
+    let sorted: std::collections::BTreeMap<String, V> = entries.into_iter().collect();
+    let mut map =
+        std::collections::HashMap::with_capacity_and_hasher(sorted.len(), MAP_STATE.clone());
+    map.extend(sorted);
+    map
+}
+
 /// Packs a message into an `Any`.
 pub fn any<M: Message + Name>(msg: &M) -> Any {
     Any {

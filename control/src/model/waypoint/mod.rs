@@ -22,12 +22,21 @@
 //!                       ══HBONE══▶ the endpoint's ztunnel
 //! ```
 //!
+//! A waypoint for workloads (`istio.io/waypoint-for: workload|all`) also
+//! gets, in `main_internal`, one filter chain per bound workload matching
+//! its IPs on any port: a `tcp_proxy` tunnelling straight to
+//! `connect_originate;<identity>` with the original destination (pod
+//! IP:port) as CONNECT authority — the ORIGINAL_DST cluster falls back to
+//! the restored local address when there is no tunnel metadata. Workload
+//! traffic is handled at L4 (no HTTP routing).
+//!
 //! Planning (which services and endpoints a waypoint serves) is separate
 //! from building Envoy messages, so the builders are pure functions of a
 //! [`WaypointPlan`].
 
 use std::net::IpAddr;
 
+pub mod authz;
 mod clusters;
 mod envoy;
 mod listeners;
@@ -35,6 +44,7 @@ mod plan;
 mod policy;
 mod routes;
 pub mod rules;
+mod telemetry;
 #[cfg(test)]
 mod tests;
 
@@ -66,6 +76,9 @@ pub struct WaypointPlan {
     /// Services bound to the waypoint, and the services their rules send
     /// traffic to.
     pub services: Vec<BoundService>,
+    /// Workloads bound to the waypoint (one handling workload traffic):
+    /// traffic addressed to their IPs arrives here.
+    pub workloads: Vec<BoundWorkload>,
     /// Config mistakes found while planning, for `/debug/config_errors`.
     pub findings: Vec<Finding>,
 }
@@ -92,6 +105,30 @@ impl Finding {
     }
 }
 
+impl WaypointPlan {
+    /// The identities of every peer the waypoint tunnels to (one
+    /// CONNECT-originating listener and cluster each).
+    pub fn peer_identities(&self) -> std::collections::BTreeSet<&str> {
+        self.services
+            .iter()
+            .flat_map(|s| s.endpoints.iter().map(|e| e.identity.as_str()))
+            .chain(self.workloads.iter().map(|w| w.identity.as_str()))
+            .collect()
+    }
+}
+
+/// A workload bound to a waypoint that handles workload traffic: what is
+/// addressed to its IPs goes, at L4, to the same address through its
+/// ztunnel.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BoundWorkload {
+    pub namespace: String,
+    pub name: String,
+    pub ips: Vec<IpAddr>,
+    /// Its SPIFFE identity, which its ztunnel presents on HBONE.
+    pub identity: String,
+}
+
 /// A service the waypoint handles traffic for, or sends traffic to.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BoundService {
@@ -109,6 +146,8 @@ pub struct BoundService {
     pub rules: std::collections::BTreeMap<u16, Vec<rules::RouteRule>>,
     /// Subsets and traffic policy.
     pub destination_rule: Option<ambit_config::networking::DestinationRule>,
+    /// L7 authorization per service port (ports without policies absent).
+    pub rbac: std::collections::BTreeMap<u16, authz::ServiceRbac>,
 }
 
 /// One port of a bound service.
@@ -170,7 +209,20 @@ pub struct BoundEndpoint {
     pub identity: String,
     /// Workload labels (DestinationRule subsets select by them).
     pub labels: ambit_config::objects::Labels,
+    /// Who it is, for request metrics.
+    pub workload: EndpointWorkload,
     pub healthy: bool,
+}
+
+/// The workload behind an endpoint, as request metrics name it
+/// (`destination_workload`, `_namespace`, `destination_app`,
+/// `destination_version`); carried in the endpoint's metadata.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EndpointWorkload {
+    pub name: String,
+    pub namespace: String,
+    pub app: String,
+    pub version: String,
 }
 
 impl BoundEndpoint {

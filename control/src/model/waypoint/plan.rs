@@ -7,7 +7,8 @@
 //! `ambit-waypoint`. A Service is bound to it by `istio.io/use-waypoint`
 //! (on the Service, else its namespace; `istio.io/use-waypoint-namespace`
 //! for a waypoint elsewhere) when the waypoint handles service traffic
-//! (`istio.io/waypoint-for`: `service`, the default, or `all`). Routing of a
+//! (`istio.io/waypoint-for`: `service`, the default, or `all`); a workload
+//! likewise when it handles workload traffic (`workload` or `all`). Routing of a
 //! bound service comes from an `HTTPRoute` whose parent is the Service
 //! (GAMMA) or else the first `VirtualService` (by namespace/name) naming
 //! its host; every service a rule sends traffic to gets clusters too, with
@@ -18,13 +19,21 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use ambit_config::gateway_api::WaypointFor;
 use ambit_config::networking::{DestinationRule, VirtualService};
-use ambit_config::objects::Service;
+use ambit_config::objects::{AuthorizationPolicy, Service};
+use ambit_proto::workload::gateway_address::Destination;
 use ambit_proto::workload::{TunnelProtocol, WorkloadStatus};
 
+use super::authz;
 use super::rules::{self, RouteRule, RuleAction, qualify};
-use super::{BoundEndpoint, BoundPort, BoundService, Finding, Protocol, WaypointPlan};
+use super::{
+    BoundEndpoint, BoundPort, BoundService, BoundWorkload, EndpointWorkload, Finding, Protocol,
+    WaypointPlan,
+};
 use crate::model::ModelOptions;
-use crate::model::index::{DOMAIN_SUFFIX, WaypointRef, WorkloadDraft, ip_from_bytes, waypoint_ref};
+use crate::model::index::{
+    DOMAIN_SUFFIX, WaypointRef, WaypointTraffic, WorkloadDraft, ip_from_bytes, waypoint_ref,
+    waypoint_serves,
+};
 use crate::model::store::Store;
 
 /// Every Service of the mesh by hostname, with its members.
@@ -69,48 +78,73 @@ pub(crate) fn plan(
     opts: &ModelOptions,
 ) -> Vec<WaypointPlan> {
     let mut plans: BTreeMap<WaypointRef, WaypointPlan> = BTreeMap::new();
+    let mut scopes: BTreeMap<WaypointRef, WaypointFor> = BTreeMap::new();
     for (ns, objs) in store.spaces() {
         for (name, gw) in &objs.gateways {
-            if gw.is_waypoint()
-                && matches!(
-                    gw.waypoint_for(),
-                    Some(WaypointFor::Service | WaypointFor::All)
-                )
-            {
-                let key = WaypointRef {
+            let scope = match gw.waypoint_for() {
+                Some(s @ (WaypointFor::Service | WaypointFor::Workload | WaypointFor::All))
+                    if gw.is_waypoint() =>
+                {
+                    s
+                }
+                _ => continue,
+            };
+            let key = WaypointRef {
+                namespace: ns.to_string(),
+                name: name.clone(),
+            };
+            scopes.insert(key.clone(), scope);
+            plans.insert(
+                key,
+                WaypointPlan {
                     namespace: ns.to_string(),
                     name: name.clone(),
-                };
-                plans.insert(
-                    key,
-                    WaypointPlan {
-                        namespace: ns.to_string(),
-                        name: name.clone(),
-                        services: Vec::new(),
-                        findings: Vec::new(),
-                    },
-                );
-            }
+                    services: Vec::new(),
+                    workloads: Vec::new(),
+                    findings: Vec::new(),
+                },
+            );
         }
     }
     if plans.is_empty() {
         return Vec::new();
     }
+    bind_workloads(&mut plans, &scopes, drafts, opts);
     let catalog = Catalog::new(store, drafts, keys);
     let virtual_services = virtual_services_by_host(store);
     let destination_rules = destination_rules_by_host(store);
+    let policies: Vec<&AuthorizationPolicy> = store
+        .spaces()
+        .flat_map(|(_, objs)| objs.authorization_policies.values())
+        .collect();
+    let mut policy_findings = Vec::new();
     for (host, (ns, svc)) in &catalog.services {
         let ns_labels = store.namespace_labels(ns);
         let Some(w) = waypoint_ref(ns, ns_labels, &svc.metadata.labels) else {
             continue;
         };
+        if !scopes
+            .get(&w)
+            .is_some_and(|s| waypoint_serves(*s, WaypointTraffic::Service))
+        {
+            continue;
+        }
         let Some(plan) = plans.get_mut(&w) else {
             continue;
         };
         let mut bound = bound_service(host, ns, svc, &catalog, drafts, opts, &destination_rules);
         bound.bound = true;
         route_service(&mut bound, store, &virtual_services, &mut plan.findings);
+        authorize_service(&mut bound, plan, &policies, opts, &mut policy_findings);
         plan.services.push(bound);
+    }
+    // A policy bound to several services or ports is reported once.
+    policy_findings.sort_by(|a: &Finding, b| {
+        (&a.namespace, &a.name, &a.reason).cmp(&(&b.namespace, &b.name, &b.reason))
+    });
+    policy_findings.dedup();
+    if let Some(first) = plans.values_mut().next() {
+        first.findings.extend(policy_findings);
     }
     // Services the rules send traffic to get clusters too.
     for plan in plans.values_mut() {
@@ -144,6 +178,69 @@ pub(crate) fn plan(
         check_subsets(plan);
     }
     plans.into_values().collect()
+}
+
+/// The HBONE workloads whose `waypoint` names a waypoint handling
+/// workload traffic (the workload translator already applied the binding
+/// rules), each in its waypoint's plan.
+fn bind_workloads(
+    plans: &mut BTreeMap<WaypointRef, WaypointPlan>,
+    scopes: &BTreeMap<WaypointRef, WaypointFor>,
+    drafts: &[WorkloadDraft<'_>],
+    opts: &ModelOptions,
+) {
+    for d in drafts {
+        let w = &d.w;
+        let Some(Destination::Hostname(h)) =
+            w.waypoint.as_ref().and_then(|g| g.destination.as_ref())
+        else {
+            continue;
+        };
+        let Some(name) = h
+            .hostname
+            .strip_suffix(&format!(".{}.svc.{DOMAIN_SUFFIX}", h.namespace))
+        else {
+            continue;
+        };
+        let key = WaypointRef {
+            namespace: h.namespace.clone(),
+            name: name.to_string(),
+        };
+        if !scopes
+            .get(&key)
+            .is_some_and(|s| waypoint_serves(*s, WaypointTraffic::Workload))
+            || w.tunnel_protocol != TunnelProtocol::Hbone as i32
+        {
+            continue;
+        }
+        let ips: Vec<_> = w
+            .addresses
+            .iter()
+            .filter_map(|a| ip_from_bytes(a))
+            .collect();
+        let Some(plan) = plans.get_mut(&key).filter(|_| !ips.is_empty()) else {
+            continue;
+        };
+        plan.workloads.push(BoundWorkload {
+            namespace: w.namespace.clone(),
+            name: w.name.clone(),
+            ips,
+            identity: identity(opts, &w.namespace, &w.service_account),
+        });
+    }
+    for plan in plans.values_mut() {
+        plan.workloads
+            .sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    }
+}
+
+fn identity(opts: &ModelOptions, namespace: &str, service_account: &str) -> String {
+    let sa = if service_account.is_empty() {
+        "default"
+    } else {
+        service_account
+    };
+    format!("spiffe://{}/ns/{namespace}/sa/{sa}", opts.trust_domain)
 }
 
 fn rule_hosts(r: &RouteRule) -> Vec<String> {
@@ -219,10 +316,42 @@ fn bound_service(
         endpoints,
         bound: false,
         rules: BTreeMap::new(),
+        rbac: BTreeMap::new(),
         destination_rule: destination_rules
             .get(host)
             .and_then(|v| v.first())
             .map(|dr| (*dr).clone()),
+    }
+}
+
+/// The L7 authorization of each port of a service bound to `plan`, from
+/// the policies that bind to it there.
+fn authorize_service(
+    svc: &mut BoundService,
+    plan: &WaypointPlan,
+    policies: &[&AuthorizationPolicy],
+    opts: &ModelOptions,
+    findings: &mut Vec<Finding>,
+) {
+    let bound: Vec<&AuthorizationPolicy> = policies
+        .iter()
+        .copied()
+        .filter(|p| authz::binds(p, plan, svc))
+        .collect();
+    if bound.is_empty() {
+        return;
+    }
+    for port in &svc.ports {
+        let rbac = authz::service_rbac(
+            &bound,
+            port.port,
+            port.protocol.is_http(),
+            &opts.trust_domain,
+            findings,
+        );
+        if !rbac.is_empty() {
+            svc.rbac.insert(port.port, rbac);
+        }
     }
 }
 
@@ -354,16 +483,17 @@ fn endpoints(
         let Some(ip) = w.addresses.first().and_then(|a| ip_from_bytes(a)) else {
             continue;
         };
-        let sa = if w.service_account.is_empty() {
-            "default"
-        } else {
-            w.service_account.as_str()
-        };
         out.push(BoundEndpoint {
             ip,
             ports,
-            identity: format!("spiffe://{}/ns/{}/sa/{sa}", opts.trust_domain, w.namespace),
+            identity: identity(opts, &w.namespace, &w.service_account),
             labels: draft_labels(d),
+            workload: EndpointWorkload {
+                name: w.workload_name.clone(),
+                namespace: w.namespace.clone(),
+                app: w.canonical_name.clone(),
+                version: w.canonical_revision.clone(),
+            },
             healthy: w.status != WorkloadStatus::Unhealthy as i32,
         });
     }

@@ -161,3 +161,144 @@ fn protocols_are_inferred_as_istio_does() {
         assert_eq!(Protocol::infer(app, name), want, "{app:?} {name}");
     }
 }
+
+/// A waypoint for workloads: a pod bound to it gets a `main_internal`
+/// filter chain matching its IP on any port and a CONNECT-originating
+/// listener and cluster for its identity; a service bound to it is not
+/// served (nor named in its Service), and the pods of the service-only
+/// waypoint's namespace do not name that one.
+#[test]
+fn a_workload_waypoint_serves_its_pods_by_ip() {
+    let extra = "
+apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata:
+  name: wl
+  namespace: shop
+  labels: {istio.io/waypoint-for: workload}
+spec:
+  gatewayClassName: istio-waypoint
+  listeners: [{name: mesh, port: 15008, protocol: HBONE}]
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: db-0
+  namespace: shop
+  labels: {app: db, istio.io/use-waypoint: wl}
+spec: {nodeName: node-1, serviceAccountName: db}
+status: {podIP: 10.10.1.30}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: db
+  namespace: shop
+  labels: {istio.io/use-waypoint: wl}
+spec:
+  clusterIP: 10.96.0.30
+  selector: {app: db}
+  ports: [{name: tcp, port: 5432}]
+";
+    let snap = snapshot(extra);
+    let address::Type::Workload(db) = address(&snap, "Kubernetes//Pod/shop/db-0") else {
+        panic!("not a workload")
+    };
+    let host = |g: &Option<ambit_proto::workload::GatewayAddress>| match g
+        .as_ref()
+        .and_then(|g| g.destination.clone())
+    {
+        Some(ambit_proto::workload::gateway_address::Destination::Hostname(h)) => h.hostname,
+        _ => String::new(),
+    };
+    assert_eq!(host(&db.waypoint), "wl.shop.svc.cluster.local");
+    let address::Type::Service(db_svc) = address(&snap, "shop/db.shop.svc.cluster.local") else {
+        panic!("not a service")
+    };
+    assert!(db_svc.waypoint.is_none(), "wl handles no service traffic");
+    // The namespace's pods are bound to the service-only waypoint: no name.
+    let address::Type::Workload(llm) = address(&snap, "Kubernetes//Pod/shop/llm-v1-0") else {
+        panic!("not a workload")
+    };
+    assert!(llm.waypoint.is_none(), "{:?}", llm.waypoint);
+
+    let scope = scope("shop", "wl");
+    let listeners = snap.set(&scope, LISTENER_TYPE).unwrap();
+    let main = &listeners.resources.by_name["main_internal"];
+    let main =
+        envoy_types::pb::envoy::config::listener::v3::Listener::decode(main.body.value.as_slice())
+            .unwrap();
+    let names: Vec<&str> = main.filter_chains.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["workload:shop/db-0"]);
+    let m = main.filter_chains[0].filter_chain_match.as_ref().unwrap();
+    assert_eq!(m.prefix_ranges[0].address_prefix, "10.10.1.30");
+    assert!(m.destination_port.is_none(), "any port");
+    let db_id = "spiffe://cluster.local/ns/shop/sa/db";
+    assert!(
+        listeners
+            .resources
+            .by_name
+            .contains_key(&format!("connect_originate;{db_id}"))
+    );
+    let clusters = snap.set(&scope, CLUSTER_TYPE).unwrap();
+    assert!(
+        clusters
+            .resources
+            .by_name
+            .contains_key(&format!("connect_originate;{db_id}"))
+    );
+    assert!(
+        snap.set(&scope, ROUTE_TYPE)
+            .is_none_or(|s| s.resources.by_name.is_empty())
+    );
+}
+
+/// A waypoint Gateway handles service traffic, workload traffic or both
+/// (`istio.io/waypoint-for`); an object bound to one that does not handle
+/// its kind of traffic names no waypoint (Istio's rule), one bound to a
+/// Gateway the config does not define still names it (fail closed).
+#[test]
+fn a_waypoints_scope_decides_who_names_it() {
+    use crate::model::workloads_tests::{build, ns, pod, svc, uid, waypoint_host};
+    let gateway = |name: &str, scope: &str| {
+        format!(
+            "---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata:\n  name: {name}\n  namespace: a\n  labels: {{istio.io/waypoint-for: {scope}}}\nspec:\n  gatewayClassName: istio-waypoint\n  listeners:\n  - {{name: mesh, port: 15008, protocol: HBONE}}\n"
+        )
+    };
+    let host = |n: &str| Some(("a".to_string(), format!("{n}.a.svc.cluster.local"), 15008));
+    for (scope, pod_has, svc_has) in [
+        ("service", false, true),
+        ("workload", true, false),
+        ("all", true, true),
+        ("none", false, false),
+    ] {
+        let yaml = ns("a", "istio.io/use-waypoint: wp")
+            + &gateway("wp", scope)
+            + &pod("a", "p", "10.0.0.1", "app: x")
+            + &svc("a", "s", "10.96.0.1", "app: x", "80");
+        let out = build(&yaml);
+        assert_eq!(
+            waypoint_host(&out.workloads[&uid("a", "p")].waypoint),
+            if pod_has { host("wp") } else { None },
+            "waypoint-for {scope}: pod"
+        );
+        assert_eq!(
+            waypoint_host(&out.services["a/s.a.svc.cluster.local"].waypoint),
+            if svc_has { host("wp") } else { None },
+            "waypoint-for {scope}: service"
+        );
+    }
+    // No Gateway `ghost` in the config: both still name it.
+    let yaml = ns("a", "istio.io/use-waypoint: ghost")
+        + &pod("a", "p", "10.0.0.1", "app: x")
+        + &svc("a", "s", "10.96.0.1", "app: x", "80");
+    let out = build(&yaml);
+    assert_eq!(
+        waypoint_host(&out.workloads[&uid("a", "p")].waypoint),
+        host("ghost")
+    );
+    assert_eq!(
+        waypoint_host(&out.services["a/s.a.svc.cluster.local"].waypoint),
+        host("ghost")
+    );
+}

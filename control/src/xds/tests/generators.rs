@@ -21,10 +21,12 @@ const ROUTER_TYPES: &[TypeSpec] = &[
     TypeSpec {
         type_url: CLUSTER,
         label: "cluster",
+        resend_with: None,
     },
     TypeSpec {
         type_url: LISTENER,
         label: "listener",
+        resend_with: None,
     },
 ];
 
