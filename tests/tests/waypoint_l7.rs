@@ -185,11 +185,14 @@ async fn run(bed: &mut MeshBed, apps: &[HttpApp; 2]) -> Result<()> {
     Ok(())
 }
 
+/// (pod, method, path, headers, expected status).
+type CallCase<'a> = (&'a str, Method, &'a str, &'a [(&'a str, &'a str)], u16);
+
 /// Allowed 200, denied 403 `RBAC: access denied`, each denial counted with
 /// the policy that decided it.
 async fn who_may_call_what(bed: &MeshBed) -> Result<()> {
     let key = [("x-batch-key", "k1")];
-    let cases: [(&str, Method, &str, &[(&str, &str)], u16); 7] = [
+    let cases: [CallCase; 7] = [
         ("orchestrator-0", Method::POST, "/v1/completions", &[], 200),
         ("orchestrator-0", Method::GET, "/v1/completions", &[], 403),
         ("orchestrator-0", Method::POST, "/v1/admin/reset", &[], 403),
