@@ -7,6 +7,8 @@
 use std::path::PathBuf;
 
 use ambit_cni::agent::install::{self, InstallConfig};
+use ambit_cni::agent::kube::{adopt_running_pods, spawn_kube_view};
+use ambit_cni::agent::netns::NetnsFinder;
 use ambit_cni::agent::view::spawn_dir_view;
 use ambit_cni::agent::{Agent, AgentConfig};
 use ambit_cni::protocol::DEFAULT_AGENT_SOCKET;
@@ -28,9 +30,18 @@ struct Args {
     #[arg(long, env = "NODE_NAME")]
     node_name: String,
     /// Directory of the mesh's Kubernetes YAML (local mode): namespace and
-    /// pod labels decide enrollment.
+    /// pod labels decide enrollment. Without it the agent runs in
+    /// Kubernetes mode (watches namespaces and this node's pods).
     #[arg(long, env = "CONFIG_DIR")]
-    config_dir: PathBuf,
+    config_dir: Option<PathBuf>,
+    /// Kubernetes mode: the kubeconfig to use (default: the pod's service
+    /// account).
+    #[arg(long, env = "KUBECONFIG_FILE")]
+    kubeconfig: Option<PathBuf>,
+    /// The host's /proc (Kubernetes mode: where running pods' network
+    /// namespaces are found; the DaemonSet mounts it at /host/proc).
+    #[arg(long, env = "PROC_DIR", default_value = "/proc")]
+    proc_dir: PathBuf,
     /// Where the pod table is kept across restarts.
     #[arg(long, env = "STATE_DIR", default_value = "/var/run/ambit")]
     state_dir: PathBuf,
@@ -106,7 +117,25 @@ async fn main() -> Result<()> {
         return Ok(());
     }
 
-    let view = spawn_dir_view(args.config_dir.clone());
+    let view = match &args.config_dir {
+        Some(dir) => spawn_dir_view(dir.clone()),
+        None => {
+            let client = ambit_cni::agent::kube::client(args.kubeconfig.as_deref()).await?;
+            info!(node = %args.node_name, "Kubernetes mode: listing namespaces and this node's pods");
+            // Wait for the first complete list: an empty view would release
+            // every pod. CNI ADDs meanwhile get "try again later".
+            let mut listing = std::pin::pin!(spawn_kube_view(client, &args.node_name));
+            loop {
+                match tokio::time::timeout(std::time::Duration::from_secs(30), &mut listing).await {
+                    Ok(v) => break v?,
+                    Err(_) => tracing::warn!(
+                        "still waiting for the API server to list namespaces and pods (check the node agent's RBAC and the API server's reachability)"
+                    ),
+                }
+            }
+        }
+    };
+    let adopt_view = args.config_dir.is_none().then(|| view.clone());
     let agent = Agent::start(
         AgentConfig {
             cni_socket: args.cni_socket.clone(),
@@ -117,6 +146,16 @@ async fn main() -> Result<()> {
         view,
     )
     .await?;
+    let adopter = adopt_view.map(|v| {
+        tokio::spawn(adopt_running_pods(
+            agent.client(),
+            v,
+            NetnsFinder {
+                proc_dir: args.proc_dir.clone(),
+                ..NetnsFinder::default()
+            },
+        ))
+    });
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let watcher = if args.no_install {
@@ -142,6 +181,10 @@ async fn main() -> Result<()> {
     let _ = stop_tx.send(());
     if let Some(w) = watcher {
         let _ = w.await;
+    }
+    if let Some(a) = adopter {
+        a.abort();
+        let _ = a.await;
     }
     agent.shutdown().await;
     Ok(())
