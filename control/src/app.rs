@@ -27,6 +27,7 @@ use crate::debug::{DebugState, ReadinessCheck, always_ready};
 use crate::k8s::ca_secret::{CaSecretError, CaSecretOptions, load_ca};
 use crate::k8s::gateway_status::{self, StatusOptions};
 use crate::k8s::leader::{LeaderElector, LeaseOptions};
+use crate::k8s::root_configmap;
 use crate::model::snapshot::Snapshot;
 use crate::model::spawn_model;
 use crate::source::file::{FileSource, FileSourceError, spawn_file_source};
@@ -291,6 +292,7 @@ impl ControlPlane {
                     plugged_secret: cfg.plugged_ca_secret.clone(),
                 };
                 let (client, leader) = (client.clone(), elector.subscribe());
+                let ca_leader = elector.subscribe();
                 // The CA may have to wait for the leader to create its
                 // Secret: serve /ready (503, saying so) meanwhile.
                 tasks.push(tokio::spawn(async move {
@@ -300,14 +302,21 @@ impl ControlPlane {
                             CaStore::load_or_create(&grpc.cfg.data_dir.join("ca"), Some(dir))
                                 .map_err(AppError::from)
                         }
-                        None => load_ca(client, &ca_secrets, leader)
+                        None => load_ca(client.clone(), &ca_secrets, ca_leader)
                             .await
                             .map_err(AppError::from),
                     };
+                    let bundle = store
+                        .as_ref()
+                        .map(|s| s.trust_bundle_pem().concat())
+                        .unwrap_or_default();
                     match store.and_then(|store| grpc.servers(store, auth)) {
                         Ok(servers) => {
                             let _ = serving.send(true);
-                            servers.await;
+                            // The leader publishes the root for ztunnels;
+                            // stops with the servers (this task).
+                            let publish = root_configmap::run(client, ca_secrets.namespace, bundle, leader);
+                            tokio::join!(servers, publish);
                         }
                         Err(e) => error!(
                             error = %e,

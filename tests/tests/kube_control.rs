@@ -132,6 +132,15 @@ async fn leader_creates_the_ca_secret_once_and_hands_over_when_killed_or_stopped
         "Istio's istio-ca-secret key names"
     );
     let root_der = first_der(&secret_key(&root, "ca-cert.pem"));
+    let cm = eventually(LIMIT, "the leader publishes the root for ztunnels", || async {
+        fake.get("v1", "ConfigMap", "ambit-system", "istio-ca-root-cert")
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        first_der(cm["data"]["root-cert.pem"].as_str().unwrap()),
+        root_der
+    );
     let root_rv = root["metadata"]["resourceVersion"].clone();
 
     let b = control_plane(&fake, dir.path(), "b").await.unwrap();

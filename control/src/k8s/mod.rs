@@ -17,6 +17,7 @@ use crate::config::ClusterAccess;
 pub mod ca_secret;
 pub mod gateway_status;
 pub mod leader;
+pub mod root_configmap;
 
 /// Deadline of one API call (get, create, update, patch, TokenReview).
 pub const API_CALL_TIMEOUT: Duration = Duration::from_secs(5);
