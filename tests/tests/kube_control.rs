@@ -132,9 +132,11 @@ async fn leader_creates_the_ca_secret_once_and_hands_over_when_killed_or_stopped
         "Istio's istio-ca-secret key names"
     );
     let root_der = first_der(&secret_key(&root, "ca-cert.pem"));
-    let cm = eventually(LIMIT, "the leader publishes the root for ztunnels", || async {
-        fake.get("v1", "ConfigMap", "ambit-system", "istio-ca-root-cert")
-    })
+    let cm = eventually(
+        LIMIT,
+        "the leader publishes the root for ztunnels",
+        || async { fake.get("v1", "ConfigMap", "ambit-system", "istio-ca-root-cert") },
+    )
     .await
     .unwrap();
     assert_eq!(
