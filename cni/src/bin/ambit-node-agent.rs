@@ -70,6 +70,11 @@ struct Args {
     /// Remove the plugin from the CNI configuration and the bin dir, then exit.
     #[arg(long)]
     uninstall: bool,
+    /// With --uninstall: then write /tmp/uninstalled and wait for SIGTERM
+    /// (how `ambitctl uninstall` cleans every node through the DaemonSet:
+    /// the pods' readiness is that file).
+    #[arg(long, requires = "uninstall")]
+    hold: bool,
     /// Bound, in milliseconds, on installing, removing or checking one pod's
     /// redirection (every `ip`/`iptables` child it runs; a hung child is
     /// killed and the CNI ADD fails with a timeout error).
@@ -114,6 +119,14 @@ async fn main() -> Result<()> {
     if args.uninstall {
         let removed = install::remove(&install_cfg)?;
         info!(removed, "ambit-cni removed from the CNI configuration");
+        if args.hold {
+            std::fs::write("/tmp/uninstalled", "")?;
+            let mut sigterm = signal(SignalKind::terminate())?;
+            tokio::select! {
+                _ = sigterm.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
         return Ok(());
     }
 
