@@ -389,3 +389,92 @@ async fn rejected_object_keeps_its_last_good_version_and_names_itself() {
     assert!(obs.held.contains(&svc));
     cp.shutdown().await;
 }
+
+/// The control plane's resident memory with 10,000 pods (and a Service per
+/// 10 pods) watched from the API server: the built `ambit-control` runs as
+/// its own process so its RSS is its own. Run with `--ignored --nocapture`
+/// after `cargo build -p ambit-control` (a release build is smaller).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "measurement: prints the RSS with 10,000 pods"]
+async fn rss_with_10k_pods() {
+    let exe = ambit_tests::workspace_root().join("target/debug/ambit-control");
+    assert!(exe.exists(), "build it first: cargo build -p ambit-control");
+    let fake = FakeApiServer::start().await.unwrap();
+    for n in 0..100 {
+        fake.apply(namespace(
+            &format!("ns-{n}"),
+            json!({"istio.io/dataplane-mode": "ambient"}),
+        ))
+        .unwrap();
+    }
+    for i in 0..10_000u32 {
+        let ns = format!("ns-{}", i % 100);
+        let ip = format!("10.{}.{}.{}", 64 + i / 65536, (i / 256) % 256, i % 256);
+        fake.apply(pod(
+            &ns,
+            &format!("p-{i}"),
+            &ip,
+            &format!("node-{}", i % 50),
+            json!({"app": format!("a{}", i / 10)}),
+        ))
+        .unwrap();
+        if i % 10 == 0 {
+            fake.apply(json!({"apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": format!("s-{}", i / 10), "namespace": ns},
+                "spec": {"clusterIP": format!("10.96.{}.{}", (i / 10) / 256, (i / 10) % 256),
+                         "selector": {"app": format!("a{}", i / 10)},
+                         "ports": [{"port": 80, "targetPort": 8080}]}}))
+                .unwrap();
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = fake
+        .kubeconfig(dir.path(), "ambit-control/rss", "rss-token")
+        .unwrap();
+    let mon = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mon_addr = mon.local_addr().unwrap();
+    drop(mon);
+    let mut child = tokio::process::Command::new(exe)
+        .args(["--kubeconfig"])
+        .arg(&kubeconfig)
+        .args(["--data-dir"])
+        .arg(dir.path())
+        .args([
+            "--xds-plaintext-addr",
+            "127.0.0.1:0",
+            "--xds-tls-addr",
+            "127.0.0.1:0",
+        ])
+        .args([
+            "--monitoring-addr",
+            &mon_addr.to_string(),
+            "--pod-name",
+            "rss",
+        ])
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pid = child.id().unwrap();
+    let start = std::time::Instant::now();
+    eventually(Duration::from_secs(120), "ready with 10k pods", || async {
+        matches!(http(mon_addr, "GET", "/ready").await, Ok((200, _))).then_some(())
+    })
+    .await
+    .unwrap();
+    let ready = start.elapsed();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |k: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(k))
+            .map(|l| l.trim_start_matches(k).trim().to_string())
+            .unwrap_or_default()
+    };
+    eprintln!(
+        "10,000 pods, 1,000 services: ready in {ready:?}; VmRSS {} (peak VmHWM {})",
+        field("VmRSS:"),
+        field("VmHWM:")
+    );
+    let _ = child.kill().await;
+}
