@@ -221,6 +221,11 @@ impl ControlPlane {
                         domain: "cluster.local".into(),
                     },
                 )));
+                tasks.push(tokio::spawn(crate::k8s::config_status::run(
+                    client.clone(),
+                    snapshots.clone(),
+                    elector.subscribe(),
+                )));
                 tasks.push(tokio::spawn(follow_leadership(
                     elector.subscribe(),
                     leader_gauge.clone(),

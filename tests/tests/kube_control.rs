@@ -419,3 +419,51 @@ async fn only_the_leader_writes_waypoint_gateway_status() {
     assert!(writers(&fake).contains("ambit-control/b"));
     b.shutdown().await;
 }
+
+fn reconciled(fake: &FakeApiServer) -> Option<(String, String)> {
+    let vs = fake.get("networking.istio.io/v1", "VirtualService", "shop", "web")?;
+    let c = vs["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "Reconciled")?
+        .clone();
+    Some((
+        c["status"].as_str()?.to_string(),
+        c["message"].as_str()?.to_string(),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_reports_a_rejected_virtualservice_in_its_status_and_clears_it_when_fixed() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.apply(namespace("shop", json!({}))).unwrap();
+    let good = json!({
+        "apiVersion": "networking.istio.io/v1", "kind": "VirtualService",
+        "metadata": {"name": "web", "namespace": "shop"},
+        "spec": {"hosts": ["web"], "http": [{"route": [{"destination": {"host": "web"}}]}]},
+    });
+    fake.apply(good.clone()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let a = control_plane(&fake, dir.path(), "a").await.unwrap();
+    wait_leader(&a, "replica a leads").await;
+    wait_synced(&a, LIMIT).await.unwrap();
+
+    let mut bad = good.clone();
+    bad["spec"]["http"][0]["timeout"] = json!("forever");
+    fake.apply(bad).unwrap();
+    let (status, message) = eventually(LIMIT, "Reconciled=False", || async {
+        reconciled(&fake).filter(|(s, _)| s == "False")
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, "False");
+    assert!(message.contains("timeout"), "says what is wrong: {message}");
+
+    fake.apply(good).unwrap();
+    eventually(LIMIT, "Reconciled=True", || async {
+        reconciled(&fake).filter(|(s, _)| s == "True")
+    })
+    .await
+    .unwrap();
+    a.shutdown().await;
+}

@@ -387,6 +387,33 @@ async fn rbac_grants_exactly_the_calls_the_control_plane_and_node_agent_make() {
     })
     .await
     .unwrap();
+    // A rejected object of every Istio kind: the leader reports each in
+    // its status.
+    let istio = [
+        ("networking.istio.io/v1", "VirtualService"),
+        ("networking.istio.io/v1", "DestinationRule"),
+        ("networking.istio.io/v1", "ServiceEntry"),
+        ("networking.istio.io/v1", "WorkloadEntry"),
+        ("networking.istio.io/v1", "Sidecar"),
+        ("security.istio.io/v1", "PeerAuthentication"),
+        ("security.istio.io/v1", "AuthorizationPolicy"),
+    ];
+    for (v, k) in istio {
+        fake.apply(json!({"apiVersion": v, "kind": k,
+            "metadata": {"name": "broken", "namespace": "shop"}, "spec": "not-an-object"}))
+            .unwrap();
+    }
+    eventually(LIMIT, "every rejected Istio object reported", || async {
+        istio
+            .iter()
+            .all(|(v, k)| {
+                fake.get(v, k, "shop", "broken")
+                    .is_some_and(|o| !o["status"]["conditions"].is_null())
+            })
+            .then_some(())
+    })
+    .await
+    .unwrap();
     let mut obs = ambit_tests::kubebed::Observer::connect_with_token(
         a.xds_addr(),
         ambit_proto::ADDRESS_TYPE_URL,

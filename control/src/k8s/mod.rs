@@ -15,6 +15,7 @@ use kube::config::{Config, KubeConfigOptions, Kubeconfig};
 use crate::config::ClusterAccess;
 
 pub mod ca_secret;
+pub mod config_status;
 pub mod gateway_status;
 pub mod leader;
 pub mod root_configmap;
