@@ -485,3 +485,61 @@ async fn rbac_grants_exactly_the_calls_the_control_plane_and_node_agent_make() {
         "ztunnel needs no API access"
     );
 }
+
+/// `<binary> --help` of the built binary (clap lists `[env: NAME=]` for
+/// every flag settable from the environment).
+async fn help_of(binary: &str) -> String {
+    let exe = workspace_root().join("target/debug").join(binary);
+    assert!(
+        exe.exists(),
+        "{} is not built: cargo build --workspace",
+        exe.display()
+    );
+    let out = tokio::time::timeout(
+        LIMIT,
+        tokio::process::Command::new(&exe).arg("--help").output(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test]
+async fn every_env_var_and_arg_the_manifests_set_is_a_flag_of_the_binary() {
+    let p = parse_all();
+    let mut templates = Vec::new();
+    for d in &p.deployments {
+        templates.push(d.spec.clone().unwrap().template);
+    }
+    for d in &p.daemonsets {
+        templates.push(d.spec.clone().unwrap().template);
+    }
+    let mut checked = 0;
+    for t in templates {
+        for c in t.spec.unwrap().containers {
+            let binary = match c.name.as_str() {
+                "ambit-control" => "ambit-control",
+                "ztunnel" => "ztunnel",
+                "node-agent" => "ambit-node-agent",
+                other => panic!("which binary runs in container {other}?"),
+            };
+            let help = help_of(binary).await;
+            for e in c.env.unwrap_or_default() {
+                if e.name == "RUST_LOG" {
+                    continue;
+                }
+                assert!(
+                    help.contains(&format!("[env: {}=", e.name)),
+                    "{binary} has no flag for env {} (its --help:\n{help})",
+                    e.name
+                );
+                checked += 1;
+            }
+            for a in c.args.unwrap_or_default() {
+                assert!(help.contains(&a), "{binary} has no flag {a}");
+            }
+        }
+    }
+    assert!(checked > 15, "{checked}");
+}

@@ -75,6 +75,10 @@ struct Args {
     /// the pods' readiness is that file).
     #[arg(long, requires = "uninstall")]
     hold: bool,
+    /// Written once the agent serves (view listed, sockets bound, plugin
+    /// installed) and removed when it stops: the DaemonSet's readiness.
+    #[arg(long, env = "READY_FILE")]
+    ready_file: Option<PathBuf>,
     /// Bound, in milliseconds, on installing, removing or checking one pod's
     /// redirection (every `ip`/`iptables` child it runs; a hung child is
     /// killed and the CNI ADD fails with a timeout error).
@@ -185,11 +189,17 @@ async fn main() -> Result<()> {
         )))
     };
     info!(node = %args.node_name, "node agent running");
+    if let Some(f) = &args.ready_file {
+        std::fs::write(f, "").with_context(|| format!("writing the ready file {}", f.display()))?;
+    }
 
     let mut sigterm = signal(SignalKind::terminate())?;
     tokio::select! {
         _ = sigterm.recv() => info!("SIGTERM received; stopping (pods keep their redirection)"),
         _ = tokio::signal::ctrl_c() => info!("interrupt received; stopping (pods keep their redirection)"),
+    }
+    if let Some(f) = &args.ready_file {
+        let _ = std::fs::remove_file(f);
     }
     let _ = stop_tx.send(());
     if let Some(w) = watcher {
