@@ -292,4 +292,12 @@ async fn running_pod_is_enrolled_from_the_watch_and_follows_label_flips() {
     let _ = adopter.await;
     ztask.abort();
     agent.shutdown().await;
+    // Uninstall: the pod's redirection goes with the mesh.
+    let state = dir.path().join("state");
+    let released =
+        tokio::task::spawn_blocking(move || ambit_cni::agent::PodTable::release_all(&state))
+            .await
+            .unwrap();
+    assert_eq!(released, 1);
+    assert!(!redirect::is_installed(&pinned).unwrap());
 }

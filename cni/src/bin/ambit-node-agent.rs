@@ -2,7 +2,8 @@
 //! CNI configuration, programs enrolled pods' redirection, hands pods to
 //! the node's ztunnel over ZDS. Runs until SIGTERM or ctrl-c; pods keep
 //! their redirection when it stops (a restarted agent picks them up).
-//! `--uninstall` removes the plugin from the CNI configuration and exits.
+//! `--uninstall` removes the plugin from the CNI configuration and every
+//! enrolled pod's redirection, and exits (with `--hold`, waits for SIGTERM).
 
 use std::path::PathBuf;
 
@@ -123,6 +124,13 @@ async fn main() -> Result<()> {
     if args.uninstall {
         let removed = install::remove(&install_cfg)?;
         info!(removed, "ambit-cni removed from the CNI configuration");
+        // No pod may stay redirected to a ztunnel that is going away.
+        let state_dir = args.state_dir.clone();
+        let released = tokio::task::spawn_blocking(move || {
+            ambit_cni::agent::PodTable::release_all(&state_dir)
+        })
+        .await?;
+        info!(released, "enrolled pods' redirection removed");
         if args.hold {
             std::fs::write("/tmp/uninstalled", "")?;
             let mut sigterm = signal(SignalKind::terminate())?;
