@@ -467,3 +467,67 @@ async fn leader_reports_a_rejected_virtualservice_in_its_status_and_clears_it_wh
     .unwrap();
     a.shutdown().await;
 }
+
+/// ztunnel as the DaemonSet runs it: TLS to 15012 verified with the root
+/// the leader published in ConfigMap istio-ca-root-cert, a projected token
+/// the control plane reviews (audience istio-ca); it becomes ready and
+/// holds the cluster's pods.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ztunnel_as_deployed_gets_its_config_over_tls_with_a_reviewed_token() {
+    let fake = FakeApiServer::start().await.unwrap();
+    fake.apply(namespace(
+        "shop",
+        json!({"istio.io/dataplane-mode": "ambient"}),
+    ))
+    .unwrap();
+    fake.apply(pod(
+        "shop",
+        "web-0",
+        "10.1.0.5",
+        "node-1",
+        json!({"app": "web"}),
+    ))
+    .unwrap();
+    fake.apply(pod(
+        "ambit-system",
+        "ztunnel-a",
+        "10.1.0.2",
+        "node-1",
+        json!({"app": "ztunnel"}),
+    ))
+    .unwrap();
+    fake.set_token_review("projected-zt-token", ztunnel_token("ztunnel-a"));
+    let dir = tempfile::tempdir().unwrap();
+    let cp = control_plane(&fake, dir.path(), "a").await.unwrap();
+    wait_synced(&cp, LIMIT).await.unwrap();
+    let cm = eventually(LIMIT, "root ConfigMap", || async {
+        fake.get("v1", "ConfigMap", "ambit-system", "istio-ca-root-cert")
+    })
+    .await
+    .unwrap();
+    // The DaemonSet's volumes: the ConfigMap and the projected token.
+    let root = dir.path().join("root-cert.pem");
+    std::fs::write(&root, cm["data"]["root-cert.pem"].as_str().unwrap()).unwrap();
+    let token = dir.path().join("istio-token");
+    std::fs::write(&token, "projected-zt-token").unwrap();
+    let mut z = ambit_ztunnel::Config::new("node-1", format!("https://{}", cp.xds_tls_addr()))
+        .with_ephemeral_ports();
+    z.token_file = Some(token);
+    z.root_cert = Some(root);
+    z.zds_path = dir.path().join("zds.sock");
+    let zt = ambit_ztunnel::start(z).await.unwrap();
+    tokio::time::timeout(LIMIT, zt.wait_ready())
+        .await
+        .expect("ztunnel ready over TLS with a reviewed token");
+    let dump = eventually(LIMIT, "the pod in ztunnel's config", || async {
+        let d = ambit_tests::get(zt.admin_addr(), "/config_dump")
+            .await
+            .ok()?;
+        d.contains("web-0").then_some(d)
+    })
+    .await
+    .unwrap();
+    assert!(dump.contains("ztunnel-a"));
+    zt.shutdown().await;
+    cp.shutdown().await;
+}
