@@ -2,8 +2,8 @@
 //! labels / service accounts — enough to decide whether a pod is enrolled.
 //!
 //! One seam, two sides: [`spawn_dir_view`] reads the control plane's config
-//! directory (local mode); a Kubernetes watch will publish the same
-//! [`MeshView`] on the same `watch` channel.
+//! directory (local mode); `super::kube::spawn_kube_view` watches the API
+//! server and publishes the same [`MeshView`] on the same `watch` channel.
 //!
 //! The directory is read with the control plane's own reader
 //! ([`ambit_config::ConfigDir`]) and the view follows the reader's changes,
@@ -25,6 +25,13 @@ use tokio::sync::watch;
 pub struct PodInfo {
     pub labels: Labels,
     pub service_account: String,
+    /// `metadata.uid` (empty when the source does not say).
+    pub uid: String,
+    /// `status.podIPs` (or `podIP`).
+    pub ips: Vec<std::net::IpAddr>,
+    /// `status.phase` is `Running`: its sandbox and netns exist, so the
+    /// agent may enroll it without a CNI ADD (Kubernetes mode).
+    pub running: bool,
 }
 
 /// Namespace and pod labels, immutable once published.
@@ -66,11 +73,19 @@ impl MeshView {
                 }
                 Change::Upsert(Object::Pod(p)) => {
                     let sa = p.service_account().to_string();
+                    let mut ips: Vec<std::net::IpAddr> =
+                        p.status.pod_ips.iter().map(|i| i.ip).collect();
+                    if ips.is_empty() {
+                        ips.extend(p.status.pod_ip);
+                    }
                     self.pods.insert(
                         (p.metadata.namespace, p.metadata.name),
                         PodInfo {
                             labels: p.metadata.labels,
                             service_account: sa,
+                            uid: p.metadata.uid,
+                            ips,
+                            running: p.status.phase == "Running",
                         },
                     );
                 }
