@@ -242,6 +242,8 @@ fn waypoints(s: &Status) -> String {
                     r.ok_2xx.to_string(),
                     r.error_5xx.to_string(),
                     r.retries.to_string(),
+                    ms(r.p50_ms),
+                    ms(r.p99_ms),
                 ]
             })
         })
@@ -261,12 +263,42 @@ fn waypoints(s: &Status) -> String {
         out.push_str(&table(
             &[
                 "WAYPOINT", "ROUTE", "MATCH", "SUBSET", "WEIGHT", "REQUESTS", "2XX", "5XX",
-                "RETRIES",
+                "RETRIES", "P50", "P99",
             ],
             &rows,
         ));
     }
+    let denials: Vec<Vec<String>> = s
+        .waypoints
+        .iter()
+        .flat_map(|w| {
+            w.denials.iter().map(move |d| {
+                vec![
+                    w.gateway.to_string(),
+                    d.policy.clone(),
+                    d.destination_service.clone(),
+                    d.source_principal.clone(),
+                    d.requests.to_string(),
+                ]
+            })
+        })
+        .collect();
+    if !denials.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nRequests denied by L7 authorization (policy `none`: no ALLOW policy matched):"
+        );
+        out.push_str(&table(
+            &["WAYPOINT", "POLICY", "SERVICE", "SOURCE", "DENIED"],
+            &denials,
+        ));
+    }
     out
+}
+
+/// A duration in milliseconds, or `-`.
+fn ms(v: Option<f64>) -> String {
+    v.map_or_else(|| "-".to_string(), |v| format!("{v:.1} ms"))
 }
 
 /// `local status`, for people.

@@ -50,7 +50,7 @@ pub mod routes;
 
 pub use controller::{ControllerOptions, run_controller};
 pub use probe::{SkippedWaypoint, WaypointStatus};
-pub use routes::{RouteRow, Scrape, route_rows};
+pub use routes::{DenialRow, RouteRow, Scrape, denial_rows, route_rows};
 
 /// The controller's record, in the state dir.
 pub const TABLE_FILE: &str = "waypoints.json";

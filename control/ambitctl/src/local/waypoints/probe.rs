@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::routes::{RouteRow, Scrape, route_rows};
+use super::routes::{DenialRow, RouteRow, Scrape, denial_rows, route_rows};
 use super::{ADMIN_PORT, GatewayKey, METRICS_PORT, STATUS_PORT, WaypointRecord, WaypointTable};
 use crate::local::netns;
 use crate::local::process::{self, http_get_on};
@@ -38,6 +38,8 @@ pub struct WaypointStatus {
     pub log: std::path::PathBuf,
     /// Requests per route destination.
     pub routes: Vec<RouteRow>,
+    /// Requests refused by L7 authorization, per policy.
+    pub denials: Vec<DenialRow>,
 }
 
 /// A waypoint Gateway the controller does not run, and why.
@@ -94,10 +96,11 @@ fn status_of(rec: &WaypointRecord) -> WaypointStatus {
     } else {
         (false, "agent not running".into())
     };
-    let routes = if agent_running {
-        route_rows(&scrape(&rec.pod.netns))
+    let (routes, denials) = if agent_running {
+        let scraped = scrape(&rec.pod.netns);
+        (route_rows(&scraped), denial_rows(&scraped.prometheus))
     } else {
-        Vec::new()
+        (Vec::new(), Vec::new())
     };
     WaypointStatus {
         gateway: rec.gateway.clone(),
@@ -113,6 +116,7 @@ fn status_of(rec: &WaypointRecord) -> WaypointStatus {
         error: rec.error.clone(),
         log: rec.log.clone(),
         routes,
+        denials,
     }
 }
 

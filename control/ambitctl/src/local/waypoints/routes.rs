@@ -10,7 +10,8 @@
 //! (`cluster.outbound|<port>|<subset>|<host>.upstream_rq_total`, `_2xx`,
 //! `_5xx`, from the admin's `/stats`). Retries are always Envoy's
 //! (`upstream_rq_retry`). [`route_rows`] is the one function that turns the
-//! scraped text into rows.
+//! scraped text into rows; p50/p99 come from Istio's duration histogram, and
+//! [`denial_rows`] lists the requests RBAC refused, per policy.
 
 use std::collections::BTreeMap;
 
@@ -30,7 +31,7 @@ pub struct Scrape {
 }
 
 /// Requests to one destination of one route.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct RouteRow {
     /// The virtual host (`name (first domain)`).
     pub route: String,
@@ -45,8 +46,117 @@ pub struct RouteRow {
     pub ok_2xx: u64,
     pub error_5xx: u64,
     pub retries: u64,
+    /// Request duration percentiles in milliseconds, from Istio's
+    /// `istio_request_duration_milliseconds` histogram (`None` when the
+    /// counts are Envoy's, or nothing was measured).
+    pub p50_ms: Option<f64>,
+    pub p99_ms: Option<f64>,
     /// `istio_requests_total` or `envoy cluster stats`.
     pub source: String,
+}
+
+/// Requests an RBAC filter of the waypoint refused, per policy.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct DenialRow {
+    /// `<namespace>/<name>`, or `none` (no ALLOW policy matched).
+    pub policy: String,
+    pub destination_service: String,
+    pub source_principal: String,
+    pub requests: u64,
+}
+
+/// Every series of `ambit_requests_denied_total` in the merged metrics.
+pub fn denial_rows(metrics: &str) -> Vec<DenialRow> {
+    let mut out = Vec::new();
+    for line in metrics.lines() {
+        let Some(rest) = line.strip_prefix("ambit_requests_denied_total{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once('}') else {
+            continue;
+        };
+        let n = value.trim().parse::<f64>().unwrap_or(0.0) as u64;
+        if n == 0 {
+            continue;
+        }
+        let get = |k| label(labels, k).unwrap_or("").to_string();
+        out.push(DenialRow {
+            policy: get("policy"),
+            destination_service: get("destination_service"),
+            source_principal: get("source_principal"),
+            requests: n,
+        });
+    }
+    out.sort_by(|a, b| b.requests.cmp(&a.requests).then(a.policy.cmp(&b.policy)));
+    out
+}
+
+/// Cumulative duration buckets (`le` in ms, count) per
+/// `<destination_service>|<destination_version>`.
+fn istio_latency(metrics: &str) -> BTreeMap<String, BTreeMap<u64, f64>> {
+    let mut out: BTreeMap<String, BTreeMap<u64, f64>> = BTreeMap::new();
+    for line in metrics.lines() {
+        let Some(rest) = line.strip_prefix("istio_request_duration_milliseconds_bucket{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once('}') else {
+            continue;
+        };
+        let (Some(service), Some(version), Some(le)) = (
+            label(labels, "destination_service"),
+            label(labels, "destination_version"),
+            label(labels, "le"),
+        ) else {
+            continue;
+        };
+        // `le` in thousandths of a millisecond, so buckets sort as numbers.
+        let le = if le == "+Inf" {
+            u64::MAX
+        } else {
+            match le.parse::<f64>() {
+                Ok(v) => (v * 1000.0) as u64,
+                Err(_) => continue,
+            }
+        };
+        let n = value.trim().parse::<f64>().unwrap_or(0.0);
+        *out.entry(format!("{service}|{version}"))
+            .or_default()
+            .entry(le)
+            .or_default() += n;
+    }
+    out
+}
+
+/// The `q` quantile of cumulative buckets, interpolated linearly inside
+/// the bucket it falls in (as Prometheus' `histogram_quantile`).
+fn quantile(buckets: &BTreeMap<u64, f64>, q: f64) -> Option<f64> {
+    let total = *buckets.get(&u64::MAX).or_else(|| buckets.values().last())?;
+    if total <= 0.0 {
+        return None;
+    }
+    let rank = q * total;
+    let mut prev_le = 0.0;
+    let mut prev_count = 0.0;
+    for (&le, &count) in buckets {
+        if count >= rank {
+            if le == u64::MAX {
+                return Some(prev_le);
+            }
+            let le = le as f64 / 1000.0;
+            let in_bucket = count - prev_count;
+            let frac = if in_bucket > 0.0 {
+                (rank - prev_count) / in_bucket
+            } else {
+                1.0
+            };
+            return Some(prev_le + (le - prev_le) * frac);
+        }
+        if le != u64::MAX {
+            prev_le = le as f64 / 1000.0;
+        }
+        prev_count = count;
+    }
+    None
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -60,6 +170,7 @@ struct Counts {
 /// Rows for every destination of every route, with its counts.
 pub fn route_rows(scrape: &Scrape) -> Vec<RouteRow> {
     let istio = istio_counts(&scrape.prometheus);
+    let latency = istio_latency(&scrape.prometheus);
     let envoy = cluster_counts(&scrape.cluster_stats);
     let mut seen = std::collections::BTreeSet::new();
     scrape
@@ -73,6 +184,7 @@ pub fn route_rows(scrape: &Scrape) -> Vec<RouteRow> {
             let host = r.destination.rsplit_once(':').map_or("", |(h, _)| h);
             let from_envoy = envoy.get(&r.cluster).copied().unwrap_or_default();
             let host_in_istio = istio.keys().any(|k| k.split('|').next() == Some(host));
+            let buckets = latency.get(&format!("{host}|{}", r.subset));
             let (c, source) = match istio.get(&format!("{host}|{}", r.subset)) {
                 Some(c) if !r.subset.is_empty() => (*c, "istio_requests_total"),
                 // A version nothing reached yet: both sources say zero.
@@ -91,6 +203,12 @@ pub fn route_rows(scrape: &Scrape) -> Vec<RouteRow> {
                 ok_2xx: c.ok,
                 error_5xx: c.errors,
                 retries: from_envoy.retries,
+                p50_ms: buckets
+                    .filter(|_| source.starts_with("istio"))
+                    .and_then(|b| quantile(b, 0.5)),
+                p99_ms: buckets
+                    .filter(|_| source.starts_with("istio"))
+                    .and_then(|b| quantile(b, 0.99)),
                 source: source.to_string(),
             }
         })

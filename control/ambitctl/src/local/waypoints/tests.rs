@@ -3,7 +3,7 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 
-use super::routes::{Scrape, route_rows};
+use super::routes::{Scrape, denial_rows, route_rows};
 use super::*;
 use crate::config::parse_documents;
 use crate::local::state::{NodeState, Phase};
@@ -241,5 +241,44 @@ istio_requests_total{reporter=\"waypoint\",destination_service=\"llm.ai.svc.clus
     assert_eq!(
         (rows[2].requests, rows[2].source.as_str()),
         (4, "envoy cluster stats")
+    );
+}
+
+#[test]
+fn route_rows_carry_percentiles_and_denials_name_the_policy() {
+    let svc = "destination_service=\"llm.ai.svc.cluster.local\",destination_version=\"v1\"";
+    let scrape = Scrape {
+        routes: vec![route("outbound|80|v1|llm.ai.svc.cluster.local", "100")],
+        cluster_stats: String::new(),
+        prometheus: format!(
+            "istio_requests_total{{{svc},response_code=\"200\"}} 100
+istio_request_duration_milliseconds_bucket{{{svc},le=\"1\"}} 40
+istio_request_duration_milliseconds_bucket{{{svc},le=\"5\"}} 90
+istio_request_duration_milliseconds_bucket{{{svc},le=\"10\"}} 100
+istio_request_duration_milliseconds_bucket{{{svc},le=\"+Inf\"}} 100
+ambit_requests_denied_total{{reporter=\"waypoint\",policy=\"ai/only-orchestrator\",source_principal=\"spiffe://cluster.local/ns/ai/sa/batch\",destination_service=\"llm.ai.svc.cluster.local\"}} 4
+ambit_requests_denied_total{{reporter=\"waypoint\",policy=\"none\",source_principal=\"unknown\",destination_service=\"llm.ai.svc.cluster.local\"}} 1
+"
+        ),
+    };
+    let rows = route_rows(&scrape);
+    // p50: rank 50 falls in (1, 5] with 50 of it: 1 + 4 × 10/50 = 1.8 ms;
+    // p99: rank 99 in (5, 10]: 5 + 5 × 9/10 = 9.5 ms.
+    let close = |a: Option<f64>, b: f64| a.is_some_and(|a| (a - b).abs() < 1e-9);
+    assert!(close(rows[0].p50_ms, 1.8), "{:?}", rows[0].p50_ms);
+    assert!(close(rows[0].p99_ms, 9.5), "{:?}", rows[0].p99_ms);
+    let denials = denial_rows(&scrape.prometheus);
+    assert_eq!(denials.len(), 2);
+    assert_eq!(
+        (denials[0].policy.as_str(), denials[0].requests),
+        ("ai/only-orchestrator", 4)
+    );
+    assert_eq!(
+        denials[0].source_principal,
+        "spiffe://cluster.local/ns/ai/sa/batch"
+    );
+    assert_eq!(
+        (denials[1].policy.as_str(), denials[1].requests),
+        ("none", 1)
     );
 }
