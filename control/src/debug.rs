@@ -18,6 +18,7 @@ use crate::xds::ProxyRegistry;
 const INDEX: &str = "\
 ambit-control monitoring endpoints:
   /ready                  200 once every config source delivered its initial state
+                          (in Kubernetes: every watch listed once) and xDS serves
   /metrics                Prometheus metrics
   /debug/push_status      current snapshot: sequence, sizes, build time
   /debug/connections      connected proxies and what they hold
@@ -49,12 +50,22 @@ struct ResourceView<'a> {
     bytes: usize,
 }
 
+/// What `/ready` checks besides the model's synced snapshot: `Err` says
+/// what is still missing (a watch not listed yet, the CA not loaded, ...).
+pub type ReadinessCheck = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+
+/// A readiness check that always passes.
+pub fn always_ready() -> ReadinessCheck {
+    Arc::new(|| Ok(()))
+}
+
 /// Everything the monitoring handler reads.
 #[derive(Clone)]
 pub struct DebugState {
     pub snapshots: watch::Receiver<Arc<Snapshot>>,
     pub proxies: Arc<ProxyRegistry>,
     pub metrics: Arc<Registry>,
+    pub readiness: ReadinessCheck,
 }
 
 fn resource_list(set: &ResourceSet) -> Vec<ResourceView<'_>> {
@@ -98,12 +109,19 @@ impl DebugState {
         let snap = self.snapshots.borrow().clone();
         match req.uri().path() {
             "/" | "/debug" | "/debug/" => respond(StatusCode::OK, "text/plain", INDEX),
-            "/ready" if snap.synced => respond(StatusCode::OK, "text/plain", "ready\n"),
-            "/ready" => respond(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "text/plain",
-                "not ready: waiting for the config sources' initial state\n",
-            ),
+            "/ready" => match (self.readiness)() {
+                Err(why) => respond(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "text/plain",
+                    format!("not ready: {why}\n"),
+                ),
+                Ok(()) if snap.synced => respond(StatusCode::OK, "text/plain", "ready\n"),
+                Ok(()) => respond(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "text/plain",
+                    "not ready: waiting for the config sources' initial state\n",
+                ),
+            },
             "/metrics" => {
                 let mut out = String::new();
                 match prometheus_client::encoding::text::encode(&mut out, &self.metrics) {

@@ -36,6 +36,8 @@ pub enum Behavior {
     Status(u16),
     /// 200 after this long.
     Delay(Duration),
+    /// 200 with a body of this many bytes (benchmarks).
+    Sized(usize),
 }
 
 #[derive(Debug)]
@@ -139,15 +141,20 @@ async fn answer(
     st.hits.fetch_add(1, Ordering::Relaxed);
     st.arrivals().push(Instant::now());
     let behavior = *st.behavior();
+    let mut body = Bytes::from(st.name.clone());
     let status = match behavior {
         Behavior::Ok => StatusCode::OK,
+        Behavior::Sized(n) => {
+            body = Bytes::from(vec![b'x'; n]);
+            StatusCode::OK
+        }
         Behavior::Status(s) => StatusCode::from_u16(s).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
         Behavior::Delay(d) => {
             tokio::time::sleep(d).await;
             StatusCode::OK
         }
     };
-    let mut resp = Response::new(Full::new(Bytes::from(st.name.clone())));
+    let mut resp = Response::new(Full::new(body));
     *resp.status_mut() = status;
     if let Ok(v) = hyper::header::HeaderValue::from_str(&st.name) {
         resp.headers_mut().insert(SERVED_BY, v);
@@ -207,7 +214,21 @@ impl Client {
 
     /// GET `path` with `headers`, bounded by [`REQUEST_TIMEOUT`].
     pub async fn get(&mut self, path: &str, headers: &[(&str, &str)]) -> Result<Reply> {
-        let mut req = Request::get(path).header(hyper::header::HOST, self.dst.to_string());
+        self.send(hyper::Method::GET, path, headers).await
+    }
+
+    /// A `method` request for `path` (no body) with `headers`, bounded by
+    /// [`REQUEST_TIMEOUT`].
+    pub async fn send(
+        &mut self,
+        method: hyper::Method,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> Result<Reply> {
+        let mut req = Request::builder()
+            .method(method.clone())
+            .uri(path)
+            .header(hyper::header::HOST, self.dst.to_string());
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
@@ -229,11 +250,11 @@ impl Client {
             .await
             .with_context(|| {
                 format!(
-                    "GET {path} via {}: no answer in {REQUEST_TIMEOUT:?}",
+                    "{method} {path} via {}: no answer in {REQUEST_TIMEOUT:?}",
                     self.dst
                 )
             })?
-            .with_context(|| format!("GET {path} via {}", self.dst))?;
+            .with_context(|| format!("{method} {path} via {}", self.dst))?;
         Ok(Reply {
             status,
             served_by,

@@ -5,8 +5,10 @@
 pub mod agentbed;
 pub mod enrollbed;
 pub mod envoy;
+pub mod fakeapi;
 pub mod h2raw;
 pub mod httpapp;
+pub mod kubebed;
 pub mod meshbed;
 pub mod netbed;
 pub mod traffic;

@@ -29,6 +29,7 @@ fn endpoint(ip: [u8; 4], sa: &str, version: &str) -> BoundEndpoint {
         ports: vec![(80, 8080), (9000, 9000)],
         identity: format!("spiffe://cluster.local/ns/shop/sa/{sa}"),
         labels: BTreeMap::from([("version".to_string(), version.to_string())]),
+        workload: Default::default(),
         healthy: true,
     }
 }
@@ -62,6 +63,7 @@ fn plan() -> WaypointPlan {
                 bound: true,
                 rules: Default::default(),
                 destination_rule: None,
+                rbac: BTreeMap::new(),
             },
             BoundService {
                 namespace: "shop".into(),
@@ -77,6 +79,7 @@ fn plan() -> WaypointPlan {
                 bound: true,
                 rules: Default::default(),
                 destination_rule: None,
+                rbac: BTreeMap::new(),
             },
         ],
         // A workload bound by IP (a waypoint for workloads): its L4 filter
@@ -88,6 +91,7 @@ fn plan() -> WaypointPlan {
             identity: "spiffe://cluster.local/ns/shop/sa/llm".into(),
         }],
         findings: Vec::new(),
+        telemetry: true,
     }
 }
 

@@ -17,6 +17,8 @@
 //! restarting the agent never touches a pod's traffic.
 
 pub mod install;
+pub mod kube;
+pub mod netns;
 mod pods;
 pub mod view;
 pub mod zds;
@@ -119,11 +121,14 @@ impl Agent {
 
     /// The pods the agent knows, enrolled or not.
     pub async fn pods(&self) -> Vec<PodRecord> {
-        let (tx, rx) = oneshot::channel();
-        if self.events.send(Event::Pods(tx)).await.is_err() {
-            return Vec::new();
+        self.client().pods().await
+    }
+
+    /// A handle other tasks use to talk to the agent task.
+    pub fn client(&self) -> AgentClient {
+        AgentClient {
+            events: self.events.clone(),
         }
-        rx.await.unwrap_or_default()
     }
 
     /// Stops the agent. Pods keep their redirection (a restarted agent
@@ -132,6 +137,36 @@ impl Agent {
         self.cni_task.abort();
         drop(self.events);
         let _ = self.task.await;
+    }
+}
+
+/// Talks to a running agent's task (cloneable). [`Agent::shutdown`] waits
+/// for the task, which ends once every client is dropped too: stop tasks
+/// holding one first.
+#[derive(Clone)]
+pub struct AgentClient {
+    events: mpsc::Sender<Event>,
+}
+
+impl std::fmt::Debug for AgentClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentClient").finish_non_exhaustive()
+    }
+}
+
+impl AgentClient {
+    /// Handles one plugin request as if it came over the socket.
+    pub async fn handle(&self, req: Request) -> Reply {
+        ask(&self.events, req).await
+    }
+
+    /// The pods the agent knows, enrolled or not.
+    pub async fn pods(&self) -> Vec<PodRecord> {
+        let (tx, rx) = oneshot::channel();
+        if self.events.send(Event::Pods(tx)).await.is_err() {
+            return Vec::new();
+        }
+        rx.await.unwrap_or_default()
     }
 }
 

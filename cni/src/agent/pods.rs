@@ -153,6 +153,32 @@ impl PodTable {
         Self { pods, file }
     }
 
+    /// Removes the redirection of every enrolled pod in the table at
+    /// `state_dir` and records them as not enrolled (uninstall: no pod may
+    /// stay redirected to a ztunnel that is going away). Returns how many
+    /// were released. Blocks (runs children).
+    pub fn release_all(state_dir: &Path) -> usize {
+        let mut table = Self::load(state_dir);
+        let mut released = 0;
+        for (uid, rec) in &mut table.pods {
+            if !rec.enrolled {
+                continue;
+            }
+            match redirect::remove(&rec.netns) {
+                Ok(()) => {
+                    rec.enrolled = false;
+                    released += 1;
+                    tracing::info!(uid, pod = %format!("{}/{}", rec.pod.namespace, rec.pod.name), "redirection removed (uninstall)");
+                }
+                Err(e) => {
+                    tracing::warn!(uid, error = %e, "cannot remove a pod's redirection")
+                }
+            }
+        }
+        table.save();
+        released
+    }
+
     fn save(&self) {
         let tmp = self.file.with_extension("json.tmp");
         let write = serde_json::to_vec_pretty(&self.pods)

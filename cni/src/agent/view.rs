@@ -2,8 +2,8 @@
 //! labels / service accounts — enough to decide whether a pod is enrolled.
 //!
 //! One seam, two sides: [`spawn_dir_view`] reads the control plane's config
-//! directory (local mode); a Kubernetes watch will publish the same
-//! [`MeshView`] on the same `watch` channel.
+//! directory (local mode); `super::kube::spawn_kube_view` watches the API
+//! server and publishes the same [`MeshView`] on the same `watch` channel.
 //!
 //! The directory is read with the control plane's own reader
 //! ([`ambit_config::ConfigDir`]) and the view follows the reader's changes,
@@ -25,6 +25,13 @@ use tokio::sync::watch;
 pub struct PodInfo {
     pub labels: Labels,
     pub service_account: String,
+    /// `metadata.uid` (empty when the source does not say).
+    pub uid: String,
+    /// `status.podIPs` (or `podIP`).
+    pub ips: Vec<std::net::IpAddr>,
+    /// `status.phase` is `Running`: its sandbox and netns exist, so the
+    /// agent may enroll it without a CNI ADD (Kubernetes mode).
+    pub running: bool,
 }
 
 /// Namespace and pod labels, immutable once published.
@@ -43,6 +50,19 @@ impl MeshView {
         view
     }
 
+    /// The union of `views`; where two define a namespace or pod, the
+    /// first one's wins.
+    pub fn merged(views: &[Arc<MeshView>]) -> Self {
+        let mut out = Self::default();
+        for v in views.iter().rev() {
+            out.namespaces
+                .extend(v.namespaces.iter().map(|(k, l)| (k.clone(), l.clone())));
+            out.pods
+                .extend(v.pods.iter().map(|(k, p)| (k.clone(), p.clone())));
+        }
+        out
+    }
+
     /// Applies a config reader's changes; true when the view changed.
     pub fn apply(&mut self, changes: impl IntoIterator<Item = Change>) -> bool {
         let before = self.clone();
@@ -53,11 +73,19 @@ impl MeshView {
                 }
                 Change::Upsert(Object::Pod(p)) => {
                     let sa = p.service_account().to_string();
+                    let mut ips: Vec<std::net::IpAddr> =
+                        p.status.pod_ips.iter().map(|i| i.ip).collect();
+                    if ips.is_empty() {
+                        ips.extend(p.status.pod_ip);
+                    }
                     self.pods.insert(
                         (p.metadata.namespace, p.metadata.name),
                         PodInfo {
                             labels: p.metadata.labels,
                             service_account: sa,
+                            uid: p.metadata.uid,
+                            ips,
+                            running: p.status.phase == "Running",
                         },
                     );
                 }
@@ -226,6 +254,47 @@ pub fn spawn_dir_view(dir: PathBuf) -> watch::Receiver<Arc<MeshView>> {
     rx
 }
 
+/// How often the merged view of several directories looks for a change
+/// of one of them.
+const MERGE_POLL: Duration = Duration::from_millis(50);
+
+/// [`spawn_dir_view`] over several directories (the first is the main
+/// one, and wins where two define an object): one reader per directory,
+/// their views merged and published after a change of any. With one
+/// directory it is `spawn_dir_view`.
+pub fn spawn_dirs_view(dirs: Vec<PathBuf>) -> watch::Receiver<Arc<MeshView>> {
+    let mut rxs: Vec<watch::Receiver<Arc<MeshView>>> =
+        dirs.into_iter().map(spawn_dir_view).collect();
+    if rxs.len() == 1
+        && let Some(rx) = rxs.pop()
+    {
+        return rx;
+    }
+    let merge = |rxs: &mut [watch::Receiver<Arc<MeshView>>]| {
+        let views: Vec<Arc<MeshView>> = rxs
+            .iter_mut()
+            .map(|r| r.borrow_and_update().clone())
+            .collect();
+        Arc::new(MeshView::merged(&views))
+    };
+    let (tx, rx) = watch::channel(merge(&mut rxs));
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(MERGE_POLL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                () = tx.closed() => return,
+            }
+            // A reader whose task ended reports an error: nothing new from it.
+            if rxs.iter().any(|r| r.has_changed().unwrap_or(false)) {
+                tx.send_replace(merge(&mut rxs));
+            }
+        }
+    });
+    rx
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
@@ -332,5 +401,44 @@ mod tests {
             "ambient",
             "a.yaml was not parsed again"
         );
+    }
+
+    /// A pod in an extra directory (local mode's waypoint pods) decides its
+    /// own enrollment; the main directory wins where both define an object.
+    #[tokio::test]
+    async fn extra_directories_are_merged_into_the_view() {
+        let main = tempfile::tempdir().unwrap();
+        let extra = tempfile::tempdir().unwrap();
+        std::fs::write(main.path().join("ns.yaml"), NAMESPACE).unwrap();
+        std::fs::write(
+            extra.path().join("wp.yaml"),
+            "apiVersion: v1\nkind: Pod\nmetadata: {name: waypoint-0, namespace: ai, labels: {istio.io/dataplane-mode: none}}\n\
+             spec: {nodeName: n, serviceAccountName: waypoint}\n---\n\
+             apiVersion: v1\nkind: Namespace\nmetadata: {name: ai}\n",
+        )
+        .unwrap();
+        let mut rx = spawn_dirs_view(vec![main.path().to_path_buf(), extra.path().to_path_buf()]);
+        let view = rx.borrow_and_update().clone();
+        assert!(
+            view.enrolled("ai", "web"),
+            "the main directory's namespace wins"
+        );
+        assert!(
+            !view.enrolled("ai", "waypoint-0"),
+            "the extra pod's opt-out counts"
+        );
+        assert_eq!(view.service_account("ai", "waypoint-0"), "waypoint");
+        // Removing the extra pod is followed.
+        std::fs::remove_file(extra.path().join("wp.yaml")).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                rx.changed().await.unwrap();
+                if rx.borrow().enrolled("ai", "waypoint-0") {
+                    break;
+                }
+            }
+        })
+        .await
+        .expect("the view follows the extra directory");
     }
 }

@@ -8,6 +8,6 @@ pub(crate) use ambit_config::is_enrolled;
 pub(crate) use ambit_config::limits::MAX_FILE_BYTES;
 pub(crate) use ambit_config::objects::{Labels, Object};
 pub(crate) use ambit_config::{
-    DecodeError, DecodeFailure, config_files, decode_json_value, decode_yaml_document,
+    ConfigDir, DecodeError, DecodeFailure, config_files, decode_json_value, decode_yaml_document,
     parse_documents,
 };

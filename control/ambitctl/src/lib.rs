@@ -18,6 +18,7 @@ pub mod analyze;
 pub mod authn;
 mod config;
 pub mod http;
+pub mod install;
 pub mod local;
 pub mod metrics;
 pub mod proxy_config;

@@ -42,6 +42,12 @@ enum Command {
     /// Authentication checks.
     #[command(subcommand)]
     Authn(commands::authn::AuthnCmd),
+    /// Installs the mesh on a Kubernetes cluster (server-side apply of
+    /// deploy/kubernetes), or prints it with --dry-run.
+    Install(commands::install::InstallArgs),
+    /// Removes the mesh from a Kubernetes cluster, leaving every node's CNI
+    /// configuration as it was before.
+    Uninstall(commands::install::UninstallArgs),
 }
 
 fn main() -> ExitCode {
@@ -53,6 +59,8 @@ fn main() -> ExitCode {
         Command::ProxyConfig(args) => commands::proxy_config::run(args),
         Command::ZtunnelConfig(args) => commands::ztunnel_config::run(args),
         Command::Authn(cmd) => commands::authn::run(cmd),
+        Command::Install(args) => commands::install::install(args),
+        Command::Uninstall(args) => commands::install::uninstall(args),
     };
     match result {
         Ok(code) => code,

@@ -334,7 +334,11 @@ fn up_exec_status_down_end_to_end() {
     let mut cluster = local::up(&opts).unwrap().down_on_drop();
     println!("up ({CLUSTER}) took {:?}", started.elapsed());
     let pids: Vec<u32> = cluster.state.processes.iter().map(|p| p.pid).collect();
-    assert_eq!(pids.len(), 6, "control + 2 agents + 2 ztunnels + 1 app");
+    assert_eq!(
+        pids.len(),
+        7,
+        "control + 2 agents + 2 ztunnels + 1 app + the waypoint controller"
+    );
 
     let s = cluster.status();
     assert!(s.healthy(), "{}", cluster.render_status());
@@ -439,8 +443,8 @@ fn up_exec_status_down_end_to_end() {
     );
     assert_eq!(
         report.stopped.len(),
-        8,
-        "6 of the cluster, sh and sleep: {report:?}"
+        9,
+        "7 of the cluster (the waypoint controller too), sh and sleep: {report:?}"
     );
     assert_eq!(
         report.netns_removed.len(),
@@ -496,7 +500,8 @@ fn down_cleans_up_after_a_crash_without_state_file() {
     let mut down = DownOptions::new(&name);
     down.state_dir = Some(state.clone());
     let report = local::down(&down).unwrap();
-    assert_eq!(report.stopped.len(), 7, "found by /proc scan: {report:?}");
+    // The 7 of the cluster (the waypoint controller among them) and the leftover.
+    assert_eq!(report.stopped.len(), 8, "found by /proc scan: {report:?}");
     assert!(leftover.try_wait().unwrap().is_some(), "{report:?}");
     assert!(tail.try_wait().unwrap().is_none(), "down killed a tail -f");
     tail.kill().unwrap();

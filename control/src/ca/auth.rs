@@ -3,7 +3,8 @@
 //! [`NodeTokenFile`] is the local-mode authenticator: a file of
 //! `<token> <node-name>` lines (`#` starts a comment), written by the local
 //! mesh tooling and re-read whenever its size, mtime or inode changes.
-//! [`TokenReview`] is the Kubernetes seam, filled by the Kubernetes issue.
+//! [`super::TokenReview`] (`token_review.rs`) asks the Kubernetes API server;
+//! [`Unconfigured`] refuses every token (local mode without a tokens file).
 //! [`StaticTokens`] is a fixed map, for tests and embedders.
 //!
 //! [`authenticate_grpc`] is the one entry point every gRPC service (CA and
@@ -136,16 +137,17 @@ pub(crate) fn bearer_token(value: Option<&str>) -> Result<&str, AuthError> {
     Ok(token)
 }
 
-/// Placeholder for Kubernetes TokenReview authentication.
+/// Refuses every token: local mode without a node tokens file.
 #[derive(Debug, Default, Clone)]
-pub struct TokenReview;
+pub struct Unconfigured;
 
-impl TokenAuthenticator for TokenReview {
+impl TokenAuthenticator for Unconfigured {
     fn authenticate<'a>(&'a self, _token: &'a str) -> BoxFuture<'a, Result<Caller, AuthError>> {
         Box::pin(async {
             Err(AuthError::Unavailable(
-                "Kubernetes TokenReview not configured; in local mode start ambit-control \
-                 with --node-tokens-file (one `<token> <node-name>` per line)"
+                "no token authentication is configured; in local mode start ambit-control \
+                 with --node-tokens-file (one `<token> <node-name>` per line), in Kubernetes \
+                 with --kubeconfig or --in-cluster (TokenReview)"
                     .into(),
             ))
         })

@@ -6,8 +6,8 @@
 //! - [`Signer`] validates a PEM CSR (signature, exactly one SPIFFE URI SAN in
 //!   the trust domain) and issues a workload certificate.
 //! - [`TokenAuthenticator`] turns `authorization: Bearer <token>` into a
-//!   [`Caller`]; [`NodeTokenFile`] serves local mode, [`TokenReview`] is the
-//!   Kubernetes seam.
+//!   [`Caller`]; [`NodeTokenFile`] serves local mode, [`TokenReview`]
+//!   Kubernetes (the API server's TokenReview).
 //! - [`PodLocator`] answers "on which nodes run pods of this identity", for
 //!   node proxies asking on behalf of their pods ([`SnapshotPodLocator`] reads
 //!   the model's published Address resources).
@@ -25,6 +25,7 @@ mod locator;
 mod service;
 mod signer;
 mod store;
+mod token_review;
 mod verify;
 
 #[cfg(test)]
@@ -33,14 +34,15 @@ mod tests;
 mod tls_tests;
 
 pub use auth::{
-    AuthError, BoxFuture, Caller, NodeTokenFile, StaticTokens, TokenAuthenticator, TokenReview,
+    AuthError, BoxFuture, Caller, NodeTokenFile, StaticTokens, TokenAuthenticator, Unconfigured,
     authenticate_grpc,
 };
 pub use client::{ClientError, GeneratedCsr, generate_csr, impersonation_metadata};
 pub use locator::{PodLocator, SnapshotPodLocator, StaticPodLocator};
 pub use service::{CaMetrics, CaService, CaServiceOptions, IMPERSONATED_IDENTITY_KEY};
 pub use signer::{CsrRequest, SignError, Signer, SignerOptions};
-pub use store::{CaError, CaStore};
+pub use store::{CaError, CaStore, generate_root};
+pub use token_review::{TokenReview, TokenReviewOptions};
 pub use verify::{LeafInfo, VerifyError, leaf_info, spiffe_id_of, verify_identity_chain};
 
 /// A workload identity: `spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>`.

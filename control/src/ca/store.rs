@@ -178,20 +178,40 @@ impl CaStore {
             }
         }
         check_key_mode(&key_path);
-        let certs = read_certs(&cert_path)?;
+        let cert_text = read_text(&cert_path)?;
+        let key_text = read_text(&key_path)?;
+        Self::root_from_pem(
+            &cert_path,
+            &cert_text,
+            &key_path,
+            &key_text,
+            format!("generated root in {}", dir.display()),
+        )
+    }
+
+    /// A self-signed root from PEM text (`cert_path`/`key_path` only name
+    /// where it came from in errors: a file, or a Secret's key).
+    fn root_from_pem(
+        cert_path: &Path,
+        cert_text: &str,
+        key_path: &Path,
+        key_text: &str,
+        source: String,
+    ) -> Result<Self, CaError> {
+        let certs = parse_certs(cert_path, cert_text)?;
         let (root_pem, root_der) =
             certs
                 .into_iter()
                 .next()
                 .ok_or_else(|| CaError::BadCertificate {
-                    path: cert_path.clone(),
+                    path: cert_path.to_path_buf(),
                     reason: "empty file".into(),
                 })?;
-        let key = read_key(&key_path)?;
-        let signing_not_after = check_ca_cert(&cert_path, &root_der, &key, &key_path)?;
+        let key = parse_key(key_path, key_text)?;
+        let signing_not_after = check_ca_cert(cert_path, &root_der, &key, key_path)?;
         let issuer =
             Issuer::from_ca_cert_der(&root_der, key).map_err(|e| CaError::BadCertificate {
-                path: cert_path.clone(),
+                path: cert_path.to_path_buf(),
                 reason: e.to_string(),
             })?;
         Ok(Self {
@@ -199,8 +219,61 @@ impl CaStore {
             chain: vec![root_pem.clone()],
             roots: vec![root_pem],
             signing_not_after,
-            source: format!("generated root in {}", dir.display()),
+            source,
         })
+    }
+
+    /// The CA of a Kubernetes Secret holding a generated root (Istio's
+    /// `istio-ca-secret` keys: `ca-cert.pem`, `ca-key.pem`; a non-empty
+    /// `root-cert.pem` adds roots to the trust bundle). `label` names the
+    /// Secret in errors.
+    pub fn from_root_secret(
+        label: &str,
+        ca_cert: &str,
+        ca_key: &str,
+        extra_roots: &str,
+    ) -> Result<Self, CaError> {
+        let at = |key: &str| PathBuf::from(format!("{label} key {key}"));
+        let mut store = Self::root_from_pem(
+            &at(PLUGGED_CERT_FILE),
+            ca_cert,
+            &at(PLUGGED_KEY_FILE),
+            ca_key,
+            format!("generated root in {label}"),
+        )?;
+        if !extra_roots.trim().is_empty() {
+            for (pem, _) in parse_certs(&at(PLUGGED_ROOT_FILE), extra_roots)? {
+                if !store.roots.contains(&pem) {
+                    store.roots.push(pem);
+                }
+            }
+        }
+        info!(source = %store.source, roots = store.roots.len(), "CA loaded");
+        Ok(store)
+    }
+
+    /// A plugged-in CA from a Kubernetes Secret with Istio's `cacerts`
+    /// keys (`ca-cert.pem`, `ca-key.pem`, `root-cert.pem`, optional
+    /// `cert-chain.pem`).
+    pub fn from_plugged_secret(
+        label: &str,
+        ca_cert: &str,
+        ca_key: &str,
+        root_cert: &str,
+        cert_chain: Option<&str>,
+    ) -> Result<Self, CaError> {
+        let at = |key: &str| PathBuf::from(format!("{label} key {key}"));
+        let store = Self::plugged_from_pem(
+            [
+                (at(PLUGGED_CERT_FILE), ca_cert),
+                (at(PLUGGED_KEY_FILE), ca_key),
+                (at(PLUGGED_ROOT_FILE), root_cert),
+            ],
+            cert_chain.map(|c| (at(PLUGGED_CHAIN_FILE), c)),
+            format!("plugged-in CA from {label}"),
+        )?;
+        info!(source = %store.source, roots = store.roots.len(), "CA loaded");
+        Ok(store)
     }
 
     fn load_plugged(dir: &Path) -> Result<Self, CaError> {
@@ -208,25 +281,56 @@ impl CaStore {
         let key_path = dir.join(PLUGGED_KEY_FILE);
         let root_path = dir.join(PLUGGED_ROOT_FILE);
         let chain_path = dir.join(PLUGGED_CHAIN_FILE);
-        let (ca_pem, ca_der) =
-            read_certs(&cert_path)?
-                .into_iter()
-                .next()
-                .ok_or_else(|| CaError::BadCertificate {
-                    path: cert_path.clone(),
-                    reason: "empty file".into(),
-                })?;
-        let key = read_key(&key_path)?;
+        let cert = read_text(&cert_path)?;
+        let key = read_text(&key_path)?;
+        let root = read_text(&root_path)?;
+        let chain = if chain_path.exists() {
+            Some(read_text(&chain_path)?)
+        } else {
+            None
+        };
+        Self::plugged_from_pem(
+            [
+                (cert_path, cert.as_str()),
+                (key_path, key.as_str()),
+                (root_path, root.as_str()),
+            ],
+            chain.as_deref().map(|c| (chain_path, c)),
+            format!("plugged-in CA from {}", dir.display()),
+        )
+    }
+
+    /// `[(ca-cert), (ca-key), (root-cert)]` and the optional chain, each
+    /// with where it came from.
+    fn plugged_from_pem(
+        [(cert_path, cert), (key_path, key), (root_path, root)]: [(PathBuf, &str); 3],
+        chain: Option<(PathBuf, &str)>,
+        source: String,
+    ) -> Result<Self, CaError> {
+        let (ca_pem, ca_der) = parse_certs(&cert_path, cert)?
+            .into_iter()
+            .next()
+            .ok_or_else(|| CaError::BadCertificate {
+                path: cert_path.clone(),
+                reason: "empty file".into(),
+            })?;
+        let key = parse_key(&key_path, key)?;
         let signing_not_after = check_ca_cert(&cert_path, &ca_der, &key, &key_path)?;
-        let roots = read_certs(&root_path)?;
-        let mut chain: Vec<(String, CertificateDer<'static>)> = vec![(ca_pem, ca_der.clone())];
-        if chain_path.exists() {
-            for (pem, der) in read_certs(&chain_path)? {
-                if der != ca_der {
-                    chain.push((pem, der));
+        let roots = parse_certs(&root_path, root)?;
+        let mut chain_certs: Vec<(String, CertificateDer<'static>)> =
+            vec![(ca_pem, ca_der.clone())];
+        let chain_path = match chain {
+            Some((path, text)) => {
+                for (pem, der) in parse_certs(&path, text)? {
+                    if der != ca_der {
+                        chain_certs.push((pem, der));
+                    }
                 }
+                path
             }
-        }
+            None => cert_path.with_file_name(PLUGGED_CHAIN_FILE),
+        };
+        let chain = &mut chain_certs;
         // End the chain with the root that signed its last element.
         let last_self_signed = chain
             .last()
@@ -239,7 +343,7 @@ impl CaStore {
             })?;
             chain.push(root.clone());
         }
-        verify_chain_links(&chain_path, &chain)?;
+        verify_chain_links(&chain_path, chain)?;
         let issuer =
             Issuer::from_ca_cert_der(&ca_der, key).map_err(|e| CaError::BadCertificate {
                 path: cert_path.clone(),
@@ -256,10 +360,10 @@ impl CaStore {
         }
         Ok(Self {
             issuer,
-            chain: chain.into_iter().map(|(pem, _)| pem).collect(),
+            chain: chain_certs.into_iter().map(|(pem, _)| pem).collect(),
             roots: root_pems,
             signing_not_after,
-            source: format!("plugged-in CA from {}", dir.display()),
+            source,
         })
     }
 
@@ -346,7 +450,8 @@ fn check_key_mode(path: &Path) {
     }
 }
 
-fn generate_root() -> Result<(String, String), CaError> {
+/// A new self-signed root CA: (certificate PEM, PKCS#8 key PEM).
+pub fn generate_root() -> Result<(String, String), CaError> {
     let gen_err = |e: rcgen::Error| CaError::Generate {
         what: "the root CA",
         reason: e.to_string(),
@@ -375,14 +480,21 @@ pub(crate) fn random_serial() -> rcgen::SerialNumber {
     rcgen::SerialNumber::from_slice(&bytes)
 }
 
+fn read_text(path: &Path) -> Result<String, CaError> {
+    fs::read_to_string(path).map_err(|source| CaError::Read {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
 /// Splits a PEM file into its certificates, each re-encoded as one
 /// normalised PEM block.
 pub(crate) fn read_certs(path: &Path) -> Result<Vec<(String, CertificateDer<'static>)>, CaError> {
-    let text = fs::read_to_string(path).map_err(|source| CaError::Read {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    split_pem_certs(&text).map_err(|reason| CaError::BadCertificate {
+    parse_certs(path, &read_text(path)?)
+}
+
+fn parse_certs(path: &Path, text: &str) -> Result<Vec<(String, CertificateDer<'static>)>, CaError> {
+    split_pem_certs(text).map_err(|reason| CaError::BadCertificate {
         path: path.to_path_buf(),
         reason,
     })
@@ -414,12 +526,8 @@ pub(crate) fn split_pem_certs(
     Ok(out)
 }
 
-fn read_key(path: &Path) -> Result<KeyPair, CaError> {
-    let text = fs::read_to_string(path).map_err(|source| CaError::Read {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    KeyPair::from_pem(&text).map_err(|e| CaError::BadKey {
+fn parse_key(path: &Path, text: &str) -> Result<KeyPair, CaError> {
+    KeyPair::from_pem(text).map_err(|e| CaError::BadKey {
         path: path.to_path_buf(),
         reason: e.to_string(),
     })

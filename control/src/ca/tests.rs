@@ -403,10 +403,10 @@ async fn node_token_file_authenticates_and_reloads() {
             name: "node-3".into()
         }
     );
-    let err = TokenReview.authenticate("x").await.unwrap_err();
+    let err = Unconfigured.authenticate("x").await.unwrap_err();
     assert!(
         err.to_string()
-            .contains("Kubernetes TokenReview not configured")
+            .contains("no token authentication is configured")
     );
 }
 

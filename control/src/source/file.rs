@@ -106,6 +106,25 @@ pub async fn spawn_file_source(
     dir: PathBuf,
     model: ModelHandle,
 ) -> Result<FileSource, FileSourceError> {
+    spawn(dir, model, true).await
+}
+
+/// [`spawn_file_source`] for a directory beside the main one
+/// (`--extra-config-dir`): its initial update does not say
+/// `initial_sync_done`, so the model counts as synced only once the main
+/// directory (loaded after the extra ones) has been sent.
+pub async fn spawn_extra_file_source(
+    dir: PathBuf,
+    model: ModelHandle,
+) -> Result<FileSource, FileSourceError> {
+    spawn(dir, model, false).await
+}
+
+async fn spawn(
+    dir: PathBuf,
+    model: ModelHandle,
+    marks_sync: bool,
+) -> Result<FileSource, FileSourceError> {
     let dir = std::path::absolute(&dir).map_err(|source| FileSourceError::Dir {
         path: dir.clone(),
         source,
@@ -144,7 +163,7 @@ pub async fn spawn_file_source(
     .map_err(|e| FileSourceError::Load(dir.clone(), e.to_string()))?;
     let mut update = source_update(loaded);
     update.errors.retain(|(_, errs)| !errs.is_empty());
-    update.initial_sync_done = true;
+    update.initial_sync_done = marks_sync;
     info!(
         dir = %dir.display(),
         files = reader.file_count(),

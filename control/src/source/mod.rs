@@ -1,7 +1,7 @@
 //! Config sources: where the model's objects come from.
 //!
-//! The seam is small and the same for every source (the file source here,
-//! the Kubernetes watchers later):
+//! The seam is small and the same for every source (the file source for
+//! local mode, the Kubernetes watchers in [`kube`]):
 //!
 //! * a source decodes its input into [`Object`]s with `ambit_config::decode`
 //!   (YAML documents, or the API server's JSON directly);
@@ -14,12 +14,14 @@
 //!   arrives.
 
 pub mod file;
+pub mod kube;
 
 #[cfg(test)]
 mod tests;
 
+pub use self::kube::{KUBE_SOURCE, KubeSource, KubeSourceOptions};
 pub use crate::model::{Change, ConfigError, ModelHandle, Object, ObjectKey, SourceUpdate};
-pub use file::{FileSource, FileSourceError, spawn_file_source};
+pub use file::{FileSource, FileSourceError, spawn_extra_file_source, spawn_file_source};
 
 /// The `source` name the file source puts in its updates.
 pub const FILE_SOURCE: &str = "file";

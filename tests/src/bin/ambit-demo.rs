@@ -376,6 +376,11 @@ async fn handle_http(app: &App, peer: SocketAddr, req: Request<Incoming>) -> Res
     *resp.status_mut() = status;
     resp.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    // Which replica answered, as the L7 tests' app says it
+    // (`ambit_tests::httpapp::SERVED_BY`): a canary split is countable.
+    if let Ok(v) = HeaderValue::from_str(&app.name) {
+        resp.headers_mut().insert("x-served-by", v);
+    }
     resp
 }
 

@@ -72,6 +72,32 @@ struct Bootstrap {
     bootstrap_extensions: Vec<Extension<Value>>,
     overload_manager: OverloadManager,
     layered_runtime: LayeredRuntime,
+    /// How often histograms are merged for the admin to read (counters are
+    /// always current): Istio's request-duration and size histograms on
+    /// 15020 lag at most this much.
+    stats_flush_interval: &'static str,
+    stats_config: Value,
+}
+
+/// Istio's buckets for its request and response size histograms (the
+/// duration histogram's are Envoy's defaults, which are Istio's too).
+fn stats_config() -> Value {
+    let sizes = [
+        1u64,
+        10,
+        100,
+        1_000,
+        10_000,
+        100_000,
+        1_000_000,
+        10_000_000,
+        100_000_000,
+        1_000_000_000,
+    ];
+    let bytes = |name: &str| serde_json::json!({"match": {"exact": name}, "buckets": sizes});
+    serde_json::json!({
+        "histogram_bucket_settings": [bytes("istio.request_bytes"), bytes("istio.response_bytes")]
+    })
 }
 
 #[derive(Debug, Serialize)]
@@ -497,6 +523,8 @@ pub fn render(
                 serde_json::json!({"name": "admin", "admin_layer": {}}),
             ],
         },
+        stats_flush_interval: "1s",
+        stats_config: stats_config(),
     };
     // Serializing plain structs, string keys and JSON values cannot fail.
     serde_json::to_value(&bootstrap).unwrap_or(Value::Null)

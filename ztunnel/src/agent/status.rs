@@ -9,7 +9,8 @@
 //! * Metrics are the agent's own registry (certificate expiry and CA calls
 //!   — the identity module's metrics — and SDS counters) converted to the
 //!   Prometheus text format, followed by Envoy's own `/stats/prometheus`
-//!   fetched from the admin (Istio's "merged metrics"); if Envoy cannot be
+//!   fetched from the admin (Istio's "merged metrics") with Istio's request
+//!   metrics renamed and relabelled (`request_metrics`); if Envoy cannot be
 //!   reached the agent's part is still served, with a comment saying why.
 //!
 //! HTTP/1.1 only; at most [`MAX_CONNECTIONS`] connections at a time, each
@@ -170,7 +171,9 @@ impl StatusContext {
             .await
         {
             Ok((status, body)) if status.is_success() => {
-                out.push_str(&String::from_utf8_lossy(&body));
+                out.push_str(&super::request_metrics::rewrite(&String::from_utf8_lossy(
+                    &body,
+                )));
             }
             Ok((status, _)) => {
                 self.metrics.scrape_failures.inc();

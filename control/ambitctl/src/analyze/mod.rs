@@ -23,10 +23,12 @@ use ambit_control::model::Store;
 use crate::config::Object;
 
 mod checks;
+mod cluster;
 pub mod message;
 mod render;
 mod source;
 
+pub use cluster::Cluster;
 pub use message::{Code, Message, Origin, Resource, Severity};
 pub use render::{render_json, render_table, render_yaml};
 pub use source::{Document, Files, LocalMesh, Source, documents_from_text};
@@ -49,6 +51,8 @@ pub enum AnalyzeError {
         "invalid --suppress {0:?}: use CODE (e.g. AMB0006) or CODE=Kind namespace/name (e.g. \"IST0127=AuthorizationPolicy shop/*\")"
     )]
     BadSuppression(String),
+    #[error("{0}")]
+    Cluster(String),
 }
 
 /// A `--suppress` rule: a code, optionally limited to resources matching

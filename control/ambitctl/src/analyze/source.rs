@@ -2,10 +2,10 @@
 //! decoded object (or why it was rejected), its raw JSON form (for the
 //! unknown-field and label checks) and where it was written.
 //!
-//! Files and directories ([`Files`]) and the live local mesh
-//! ([`LocalMesh`], the directory its control plane serves) are sources
-//! today; a Kubernetes source lists objects from the API server and makes
-//! each a [`Document::from_json`] — the one seam cluster mode plugs into.
+//! Files and directories ([`Files`]), the live local mesh ([`LocalMesh`],
+//! the directory its control plane serves) and a Kubernetes cluster
+//! (`cluster.rs`: objects listed from the API server, each a
+//! [`Document::from_json`]) are the sources.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};

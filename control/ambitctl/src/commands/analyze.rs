@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use ambitctl::analyze::{self, Files, LocalMesh, Severity, Source, Suppression};
+use ambitctl::analyze::{self, Cluster, Files, LocalMesh, Severity, Source, Suppression};
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 
@@ -36,6 +36,14 @@ pub struct AnalyzeArgs {
     /// The local mesh's state directory (default /var/run/ambit-local/NAME).
     #[arg(long, requires = "local")]
     state_dir: Option<PathBuf>,
+    /// Also analyze a Kubernetes cluster: every object the mesh reads,
+    /// listed from the API server of the current context (KUBECONFIG or
+    /// ~/.kube/config; --kubeconfig FILE picks the file).
+    #[arg(long)]
+    cluster: bool,
+    /// The kubeconfig for --cluster (implies --cluster).
+    #[arg(long, value_name = "FILE")]
+    kubeconfig: Option<PathBuf>,
     /// Exit non-zero when a message is at least this severe.
     #[arg(long, value_enum, default_value = "error")]
     fail_on: FailOn,
@@ -75,7 +83,15 @@ pub fn run(args: AnalyzeArgs) -> Result<ExitCode> {
         name,
         state_dir: args.state_dir,
     });
+    let cluster = if args.cluster || args.kubeconfig.is_some() {
+        Some(list_cluster(args.kubeconfig.as_deref())?)
+    } else {
+        None
+    };
     let mut sources: Vec<&dyn Source> = Vec::new();
+    if let Some(c) = &cluster {
+        sources.push(c);
+    }
     if !files.paths.is_empty() {
         sources.push(&files);
     }
@@ -84,7 +100,7 @@ pub fn run(args: AnalyzeArgs) -> Result<ExitCode> {
     }
     anyhow::ensure!(
         !sources.is_empty(),
-        "nothing to analyze: give files or directories (-f FILE|DIR, --config-dir DIR) or --local [NAME]"
+        "nothing to analyze: give files or directories (-f FILE|DIR, --config-dir DIR), --local [NAME] or --cluster"
     );
     let suppressions = args
         .suppress
@@ -106,5 +122,24 @@ pub fn run(args: AnalyzeArgs) -> Result<ExitCode> {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
+    })
+}
+
+/// The cluster's objects, listed once.
+fn list_cluster(kubeconfig: Option<&std::path::Path>) -> Result<Cluster> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async {
+        let client = ambitctl::install::client(kubeconfig).await?;
+        let server = kubeconfig
+            .map(|p| format!("of {}", p.display()))
+            .unwrap_or_else(|| "of the current kube context".to_string());
+        let cluster = Cluster::list(client, server).await?;
+        for kind in &cluster.absent {
+            eprintln!("note: the cluster does not serve {kind} (CRD not installed); skipped");
+        }
+        Ok(cluster)
     })
 }

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use ambitctl::local::{self, DownOptions, LocalCluster, UpOptions};
+use ambitctl::local::{self, ControllerOptions, DownOptions, LocalCluster, UpOptions};
 use anyhow::{Context, Result};
 use clap::Subcommand;
 
@@ -35,8 +35,9 @@ pub enum LocalCmd {
         dir: PathBuf,
         #[command(flatten)]
         which: Which,
-        /// Directory of ambit-control, ztunnel, ambit-node-agent, ambit-cni
-        /// and ambit-demo (default: the directory of this binary).
+        /// Directory of ambit-control, ztunnel, ambit-node-agent, ambit-cni,
+        /// ambit-demo, ambit-agent and ambitctl (default: the directory of
+        /// this binary).
         #[arg(long)]
         bin_dir: Option<PathBuf>,
         /// On failure, leave everything in place for inspection.
@@ -70,6 +71,17 @@ pub enum LocalCmd {
         /// The command and its arguments (after `--`).
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
+    },
+    /// Runs the waypoint controller of a cluster in the foreground: starts
+    /// and stops waypoint pods as the config's waypoint Gateways come and
+    /// go (`local up` starts it in the background).
+    #[command(hide = true)]
+    WaypointController {
+        #[command(flatten)]
+        which: Which,
+        /// Longest wait for each step of making a waypoint pod, in seconds.
+        #[arg(long, default_value_t = 30)]
+        timeout_secs: u64,
     },
 }
 
@@ -125,6 +137,22 @@ pub fn run(cmd: LocalCmd) -> Result<ExitCode> {
                     out(&serde_saphyr::to_string(&cluster.status()).context("encoding status")?)
                 }
             }
+            Ok(ExitCode::SUCCESS)
+        }
+        LocalCmd::WaypointController {
+            which,
+            timeout_secs,
+        } => {
+            let state_dir = which
+                .state_dir
+                .unwrap_or_else(|| local::default_state_dir(&which.name));
+            local::run_controller(&ControllerOptions {
+                name: which.name,
+                state_dir: std::path::absolute(&state_dir)
+                    .context("resolving the state directory")?,
+                poll: Duration::from_millis(200),
+                timeout: Duration::from_secs(timeout_secs),
+            })?;
             Ok(ExitCode::SUCCESS)
         }
         LocalCmd::Exec { which, pod, cmd } => {

@@ -5,6 +5,7 @@
 
 pub mod analyze;
 pub mod authn;
+pub mod install;
 pub mod local;
 pub mod proxy_config;
 pub mod proxy_status;

@@ -53,7 +53,7 @@ pub fn run(args: ProxyConfigArgs) -> Result<ExitCode> {
         (Some(a), _) => proxy_config::fetch(*a, timeout)?,
         (None, Some(pod)) => {
             let cluster = args.target.require_local(&format!("pod {pod}"))?;
-            let p = cluster.pod(pod)?;
+            let p = cluster.find_pod(pod)?;
             let path = std::path::Path::new("/var/run/netns").join(&p.netns);
             proxy_config::fetch_in_netns(pod, &path, args.admin_port, timeout)?
         }

@@ -1,11 +1,14 @@
-//! The last steps of `local up`: the pods' demo apps, then waiting until
-//! every app listens and every enrolled pod's certificate is issued.
+//! The last steps of `local up`: the waypoint controller (and its first
+//! waypoint pods), the pods' demo apps, then waiting until every app
+//! listens and every enrolled pod's certificate is issued.
 
 use std::time::Duration;
 
+use super::prereq::CONTROLLER_BINARY;
 use super::process::{self, wait_until};
 use super::state::Role;
 use super::up::Builder;
+use super::waypoints::{WaypointTable, probe};
 use super::{LocalError, netns};
 
 /// The ports an `ambit-demo` argument list listens on (`--http P`, `--tcp P`).
@@ -74,6 +77,80 @@ impl Builder {
             )?;
         }
         Ok(())
+    }
+
+    /// Starts the waypoint controller and waits until the waypoint pod of
+    /// every waypoint Gateway of the config is ready.
+    pub(super) fn waypoint_controller(&mut self) -> Result<(), LocalError> {
+        let cmd = vec![
+            self.bin(CONTROLLER_BINARY).display().to_string(),
+            "local".into(),
+            "waypoint-controller".into(),
+            "--name".into(),
+            self.state.name.clone(),
+            "--state-dir".into(),
+            self.state.state_dir.display().to_string(),
+            "--timeout-secs".into(),
+            self.timeout.as_secs().max(1).to_string(),
+        ];
+        let log = self.state.log_dir().join("waypoints.log");
+        let pid = self.spawn(Role::WaypointController, None, None, cmd, log.clone())?;
+        let wanted = self.plan.waypoints.clone();
+        let dir = self.state.state_dir.clone();
+        let mut last = String::from("the controller has not read the config yet");
+        let result = wait_until(
+            &format!(
+                "the waypoint controller to start a ready pod for each waypoint Gateway ({})",
+                wanted
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            Some(pid),
+            &log,
+            self.timeout,
+            || {
+                let table = WaypointTable::load(&dir);
+                if !table.synced {
+                    return false;
+                }
+                for key in &wanted {
+                    let Some(rec) = table.get(key) else {
+                        // A failed start is retried with backoff; say why meanwhile.
+                        last = match table.skipped.get(&key.to_string()) {
+                            Some(why) => format!("Gateway {key}: {why}"),
+                            None => format!("no pod for Gateway {key} yet"),
+                        };
+                        return false;
+                    };
+                    let (ready, answer) = probe::readiness(&rec.pod.netns);
+                    if !ready {
+                        last = format!(
+                            "waypoint pod {} not ready: {answer} (log: {})",
+                            rec.key(),
+                            rec.log.display()
+                        );
+                        return false;
+                    }
+                }
+                true
+            },
+        );
+        match result {
+            Err(LocalError::Timeout {
+                what,
+                secs,
+                log,
+                tail,
+            }) => Err(LocalError::Timeout {
+                what: format!("{what}; last: {last}"),
+                secs,
+                log,
+                tail,
+            }),
+            other => other,
+        }
     }
 
     /// Waits until each node's ztunnel holds a certificate for every

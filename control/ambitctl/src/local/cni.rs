@@ -6,6 +6,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
@@ -202,6 +203,25 @@ impl CniCall<'_> {
             prev = Some(result);
         }
         prev.ok_or_else(|| self.fail("-", "ADD", "the conflist has no plugins", ""))
+    }
+
+    /// [`CniCall::add`], retried as a runtime retries a sandbox while a
+    /// plugin answers "try again later" (CNI error code 11, e.g. the node
+    /// agent's ztunnel not connected yet): DEL, 200 ms, ADD again, for at
+    /// most `limit`.
+    pub fn add_retrying(&self, list: &Value, limit: Duration) -> Result<Value, LocalError> {
+        let deadline = Instant::now() + limit;
+        loop {
+            match self.add(list) {
+                Err(LocalError::Cni { output, .. })
+                    if output.contains("\"code\":11") && Instant::now() < deadline =>
+                {
+                    let _ = self.del(list, None);
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                other => return other,
+            }
+        }
     }
 
     /// DEL through every plugin of `list` in reverse order, with the cached

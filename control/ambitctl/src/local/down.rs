@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::state::{STATE_FILE, State};
+use super::state::{Role, STATE_FILE, State};
+use super::waypoints::WaypointTable;
 use super::{LocalError, check_name, netns, process};
 
 /// How long processes found inside a pod's netns get after SIGTERM.
@@ -121,14 +122,47 @@ pub fn down(opts: &DownOptions) -> Result<DownReport, LocalError> {
         }
     };
 
-    // Processes: the recorded ones that are still ours, plus any found by scan.
+    // The waypoint controller first, so it restarts no waypoint agent
+    // while the rest is being stopped.
     let mut pids: Vec<(u32, String)> = Vec::new();
     if let Some(s) = &state {
+        let controllers: Vec<u32> = s
+            .processes
+            .iter()
+            .filter(|p| p.role == Role::WaypointController)
+            .map(|p| p.pid)
+            .filter(|pid| process::is_alive(*pid) && process::belongs_to(*pid, &state_dir))
+            .collect();
+        report
+            .killed
+            .extend(process::stop_all(&controllers, opts.grace));
+        pids.extend(
+            controllers
+                .iter()
+                .map(|pid| (*pid, format!("{pid} {}", Role::WaypointController.as_str()))),
+        );
+    }
+
+    // Processes: the recorded ones that are still ours, plus any found by scan.
+    if let Some(s) = &state {
         for p in &s.processes {
-            if process::is_alive(p.pid) && process::belongs_to(p.pid, &state_dir) {
+            if p.role != Role::WaypointController
+                && process::is_alive(p.pid)
+                && process::belongs_to(p.pid, &state_dir)
+            {
                 let whom = p.pod.as_deref().or(p.node.as_deref()).unwrap_or("");
                 pids.push((p.pid, format!("{} {} {whom}", p.pid, p.role.as_str())));
             }
+        }
+    }
+    // Waypoint agents (with their Envoy) are the controller's, in its table.
+    for w in WaypointTable::load(&state_dir).waypoints {
+        if let Some(pid) = w.agent_pid
+            && !pids.iter().any(|(p, _)| *p == pid)
+            && process::is_alive(pid)
+            && process::belongs_to(pid, &state_dir)
+        {
+            pids.push((pid, format!("{pid} ambit-agent waypoint {}", w.key())));
         }
     }
     for pid in process::scan(&state_dir) {
@@ -138,7 +172,7 @@ pub fn down(opts: &DownOptions) -> Result<DownReport, LocalError> {
         }
     }
     let only: Vec<u32> = pids.iter().map(|(p, _)| *p).collect();
-    report.killed = process::stop_all(&only, opts.grace);
+    report.killed.extend(process::stop_all(&only, opts.grace));
     report.stopped = pids
         .into_iter()
         .map(|(_, s)| s.trim().to_string())

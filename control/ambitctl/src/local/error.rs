@@ -26,13 +26,19 @@ pub enum LocalError {
     MissingPlugin { path: PathBuf },
 
     #[error(
-        "the binary `{name}` is not in {}; build the workspace with `cargo build --release` (it puts every binary, ambitctl included, in target/release) or point --bin-dir at the directory holding ambit-control, ztunnel, ambit-node-agent, ambit-cni and ambit-demo",
+        "the binary `{name}` is not in {}; build the workspace with `cargo build --release` (it puts every binary, ambitctl included, in target/release) or point --bin-dir at the directory holding ambit-control, ztunnel, ambit-node-agent, ambit-cni, ambit-demo, ambit-agent and ambitctl",
         bin_dir.display()
     )]
     MissingBinary {
         name: &'static str,
         bin_dir: PathBuf,
     },
+
+    #[error(
+        "the config declares waypoint Gateways ({gateways}) and no Envoy was found (ENVOY_BIN, or `envoy` on PATH); {}",
+        super::waypoints::ENVOY_HINT
+    )]
+    MissingEnvoy { gateways: String },
 
     #[error("bad cluster name {name:?}: {why}")]
     BadName { name: String, why: String },

@@ -23,7 +23,7 @@ impl LocalCluster {
             .rposition(|p| {
                 p.role == role
                     && match role {
-                        Role::Control => true,
+                        Role::Control | Role::WaypointController => true,
                         Role::App => p.pod.as_deref() == node,
                         _ => p.node.as_deref() == node,
                     }

@@ -1,8 +1,10 @@
 //! `ambitctl local`: a whole mesh on one Linux host (SPEC §5). Nodes and
 //! pods are network namespaces wired by the real CNI `bridge`/`host-local`
 //! plugins chained with `ambit-cni`; `ambit-control`, a node agent and a
-//! ztunnel per node and the pods' demo apps run as background processes
-//! with their logs in a state directory.
+//! ztunnel per node, the pods' demo apps and the waypoint controller (a
+//! waypoint pod — `ambit-agent` + Envoy — per waypoint Gateway, see
+//! [`waypoints`]) run as background processes with their logs in a state
+//! directory.
 //!
 //! The CLI (`ambitctl local up|down|status|exec`, flags in the binary's
 //! `commands/local.rs`) is a thin layer over this module, and the end-to-end
@@ -21,6 +23,9 @@
 //! nodes/<node>/agent/    the agent's pods.json
 //! nodes/<node>/ipam/     host-local's leases
 //! nodes/<node>/{cni,zds}.sock
+//! generated/             Pod YAML of waypoint pods (control plane and node agents read it too)
+//! waypoints.json         the waypoint controller's record of its pods (`waypoints/`)
+//! waypoints/<ns>-<pod>/  a waypoint agent's state (SDS socket, Envoy bootstrap)
 //! ```
 //!
 //! Network namespaces: `<name>-lan`, `<name>-<node>`, `<name>-<ns>-<pod>`.
@@ -43,14 +48,16 @@ mod render;
 pub mod state;
 pub mod status;
 mod up;
+pub mod waypoints;
 
 pub use apps::app_ports;
 pub use down::{DownOptions, DownReport, down};
 pub use error::LocalError;
 pub use plan::{APP_ANNOTATION, NodePlan, Plan, PodPlan, plan_dir, plan_documents};
-pub use prereq::{BINARIES, prerequisites};
+pub use prereq::{BINARIES, CONTROLLER_BINARY, prerequisites};
 pub use state::{ControlState, NodeState, Phase, PodState, ProcRecord, Role, State};
 pub use status::{Connection, Status};
+pub use waypoints::{ControllerOptions, WaypointTable, run_controller};
 
 /// The cluster name when none is given.
 pub const DEFAULT_NAME: &str = "ambit";
@@ -91,8 +98,9 @@ pub struct UpOptions {
     pub name: String,
     /// Default: `/var/run/ambit-local/<name>`.
     pub state_dir: Option<PathBuf>,
-    /// Where `ambit-control`, `ztunnel`, `ambit-node-agent`, `ambit-cni`
-    /// and `ambit-demo` are.
+    /// Where `ambit-control`, `ztunnel`, `ambit-node-agent`, `ambit-cni`,
+    /// `ambit-demo`, `ambit-agent` (waypoints) and `ambitctl` (the waypoint
+    /// controller) are.
     pub bin_dir: PathBuf,
     /// On failure, leave what was made for inspection instead of removing it.
     pub keep_on_failure: bool,
@@ -178,16 +186,31 @@ impl LocalCluster {
         self.state.pod(key)
     }
 
+    /// The pod `namespace/name`: one of the config's, or a waypoint pod the
+    /// waypoint controller runs.
+    pub fn find_pod(&self, key: &str) -> Result<PodState, LocalError> {
+        match self.pod(key) {
+            Ok(p) => Ok(p.clone()),
+            Err(e) => WaypointTable::load(self.state_dir())
+                .waypoints
+                .into_iter()
+                .find(|w| w.key() == key)
+                .map(|w| w.pod)
+                .ok_or(e),
+        }
+    }
+
     /// The control plane's listeners.
     pub fn control(&self) -> Option<&ControlState> {
         self.state.control.as_ref()
     }
 
     /// A command running `args` inside the netns of pod `namespace/name`
+    /// (a waypoint pod too)
     /// (`ip netns exec`), with `POD_NAME` and `POD_NAMESPACE` set;
     /// `ambit-demo` as the program is the bin dir's.
     pub fn command(&self, key: &str, args: &[&str]) -> Result<Command, LocalError> {
-        let pod = self.pod(key)?;
+        let pod = self.find_pod(key)?;
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &pod.netns])
             .env("POD_NAME", &pod.name)

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use super::LocalError;
+use super::waypoints::{GatewayKey, wanted};
 use crate::config::{Labels, Object, is_enrolled, parse_documents};
 
 /// Pod annotation naming the demo app a pod runs: the `ambit-demo`
@@ -74,6 +75,9 @@ pub struct Plan {
     pub nodes: Vec<NodePlan>,
     /// Sorted by namespace, then name.
     pub pods: Vec<PodPlan>,
+    /// Waypoint Gateways local mode runs a pod for (the waypoint
+    /// controller starts them; see `waypoints`).
+    pub waypoints: Vec<GatewayKey>,
 }
 
 impl Plan {
@@ -131,6 +135,7 @@ pub fn plan_documents(dir: &Path, files: &[(PathBuf, String)]) -> Result<Plan, L
     let mut errors = Vec::new();
     let mut namespaces: BTreeMap<String, Labels> = BTreeMap::new();
     let mut raw = Vec::new();
+    let mut gateways = Vec::new();
     for (file, text) in files {
         let (objects, errs) = parse_documents(file, text);
         errors.extend(errs.iter().map(ToString::to_string));
@@ -140,6 +145,7 @@ pub fn plan_documents(dir: &Path, files: &[(PathBuf, String)]) -> Result<Plan, L
                     namespaces.insert(ns.metadata.name.clone(), ns.metadata.labels.clone());
                 }
                 Object::Pod(p) if !p.spec.host_network => raw.push((file.clone(), p)),
+                g @ Object::Gateway(_) => gateways.push(g),
                 _ => {}
             }
         }
@@ -272,10 +278,15 @@ pub fn plan_documents(dir: &Path, files: &[(PathBuf, String)]) -> Result<Plan, L
             gateway: Ipv4Addr::new(a, b, c, 1),
         });
     }
+    let waypoints = wanted(gateways.iter())
+        .into_iter()
+        .filter_map(|(k, ok)| ok.is_ok().then_some(k))
+        .collect();
     Ok(Plan {
         config_dir: dir.to_path_buf(),
         nodes,
         pods,
+        waypoints,
     })
 }
 

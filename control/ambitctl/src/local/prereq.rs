@@ -9,13 +9,21 @@ use super::LocalError;
 use super::cni::{PLUGINS, REFERENCE_PLUGINS};
 
 /// The binaries `local up` runs, from the bin dir.
-pub const BINARIES: [&str; 5] = [
+pub const BINARIES: [&str; 6] = [
     "ambit-control",
     "ztunnel",
     "ambit-node-agent",
     "ambit-cni",
     "ambit-demo",
+    "ambit-agent",
 ];
+
+/// The waypoint controller's program (`ambitctl local waypoint-controller`),
+/// also from the bin dir. Not in [`BINARIES`]: those are recognised as the
+/// cluster's by their command line, and a user's `ambitctl local status
+/// --state-dir ...` must not be (the controller carries the state dir in
+/// its environment, which is how `down` finds it).
+pub const CONTROLLER_BINARY: &str = "ambitctl";
 
 /// Checks root, `ip`, `iptables`, the reference CNI plugins and the
 /// binaries in `bin_dir`; the first missing one is the error.
@@ -41,7 +49,7 @@ pub fn prerequisites(bin_dir: &Path) -> Result<(), LocalError> {
             return Err(LocalError::MissingPlugin { path });
         }
     }
-    for name in BINARIES {
+    for name in BINARIES.iter().copied().chain([CONTROLLER_BINARY]) {
         if !bin_dir.join(name).is_file() {
             return Err(LocalError::MissingBinary {
                 name,

@@ -227,7 +227,18 @@ pub fn free_addr() -> Result<SocketAddr, LocalError> {
 
 /// `GET path` on `addr` over HTTP/1.1; returns (status, body).
 pub fn http_get(addr: SocketAddr, path: &str, timeout: Duration) -> std::io::Result<(u16, String)> {
-    let mut s = TcpStream::connect_timeout(&addr, timeout)?;
+    let s = TcpStream::connect_timeout(&addr, timeout)?;
+    http_get_on(s, addr, path, timeout)
+}
+
+/// [`http_get`] on a stream already connected to `addr` (e.g. made inside
+/// a pod's network namespace). Reads at most 64 MiB.
+pub fn http_get_on(
+    mut s: TcpStream,
+    addr: SocketAddr,
+    path: &str,
+    timeout: Duration,
+) -> std::io::Result<(u16, String)> {
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
     write!(
@@ -235,7 +246,7 @@ pub fn http_get(addr: SocketAddr, path: &str, timeout: Duration) -> std::io::Res
         "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
     )?;
     let mut buf = Vec::new();
-    s.read_to_end(&mut buf)?;
+    (&mut s).take(64 << 20).read_to_end(&mut buf)?;
     let text = String::from_utf8_lossy(&buf);
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let status = head

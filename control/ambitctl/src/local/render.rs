@@ -164,6 +164,108 @@ fn body(s: &Status) -> String {
         })
         .collect();
     out.push_str(&table(&["POD", "NODE", "IP", "MESH", "APP"], &rows));
+    out.push_str(&waypoints(s));
+    out
+}
+
+/// The waypoint pods, and the requests per route through each.
+fn waypoints(s: &Status) -> String {
+    let mut out = String::new();
+    if s.waypoints.is_empty() && s.waypoints_skipped.is_empty() {
+        return out;
+    }
+    out.push('\n');
+    let mut rows: Vec<Vec<String>> = s
+        .waypoints
+        .iter()
+        .map(|w| {
+            let agent = match (w.agent_pid, w.agent_running) {
+                (Some(pid), true) => format!("{pid} running"),
+                (Some(pid), false) => format!("{pid} EXITED"),
+                (None, _) => "not started".into(),
+            };
+            let mut ready = if w.ready {
+                "ready".to_string()
+            } else {
+                format!("NOT READY ({})", w.readiness)
+            };
+            if w.restarts > 0 {
+                let _ = write!(ready, ", {} restarts", w.restarts);
+            }
+            vec![
+                w.gateway.to_string(),
+                w.pod.clone(),
+                w.node.clone(),
+                w.ip.to_string(),
+                agent,
+                ready,
+            ]
+        })
+        .collect();
+    for k in &s.waypoints_skipped {
+        rows.push(vec![
+            k.gateway.clone(),
+            "-".into(),
+            "-".into(),
+            "-".into(),
+            "-".into(),
+            format!("NO POD: {}", k.why),
+        ]);
+    }
+    out.push_str(&table(
+        &[
+            "WAYPOINT",
+            "POD",
+            "NODE",
+            "IP",
+            "AGENT + ENVOY",
+            "READINESS",
+        ],
+        &rows,
+    ));
+    let rows: Vec<Vec<String>> = s
+        .waypoints
+        .iter()
+        .flat_map(|w| {
+            w.routes.iter().map(move |r| {
+                vec![
+                    w.gateway.to_string(),
+                    r.destination.clone(),
+                    r.match_.clone(),
+                    if r.subset.is_empty() {
+                        "-".into()
+                    } else {
+                        r.subset.clone()
+                    },
+                    format!("{}%", r.weight),
+                    r.requests.to_string(),
+                    r.ok_2xx.to_string(),
+                    r.error_5xx.to_string(),
+                    r.retries.to_string(),
+                ]
+            })
+        })
+        .collect();
+    if !rows.is_empty() {
+        let sources: std::collections::BTreeSet<&str> = s
+            .waypoints
+            .iter()
+            .flat_map(|w| w.routes.iter())
+            .map(|r| r.source.as_str())
+            .collect();
+        let source = sources.into_iter().collect::<Vec<_>>().join(" and ");
+        let _ = writeln!(
+            out,
+            "\nRequests per route through waypoints (since each waypoint started; {source}):"
+        );
+        out.push_str(&table(
+            &[
+                "WAYPOINT", "ROUTE", "MATCH", "SUBSET", "WEIGHT", "REQUESTS", "2XX", "5XX",
+                "RETRIES",
+            ],
+            &rows,
+        ));
+    }
     out
 }
 
@@ -205,7 +307,7 @@ pub fn up_summary(s: &Status, app_args: &[(String, Vec<String>)]) -> String {
     out.push_str(&body(s));
     let _ = writeln!(
         out,
-        "\nLogs: {} (control.log, agent-<node>.log, ztunnel-<node>.log, pod-<namespace>-<pod>.log)",
+        "\nLogs: {} (control.log, agent-<node>.log, ztunnel-<node>.log, pod-<namespace>-<pod>.log, waypoints.log, waypoint-<namespace>-<pod>.log)",
         s.log_dir.display()
     );
     out.push_str("\nNext:\n");
@@ -215,6 +317,13 @@ pub fn up_summary(s: &Status, app_args: &[(String, Vec<String>)]) -> String {
     );
     for line in exec_examples(s, app_args) {
         let _ = writeln!(out, "  ambitctl local exec{flag} {line}");
+    }
+    if let Some(w) = s.waypoints.first() {
+        let _ = writeln!(
+            out,
+            "  ambitctl proxy-config routes{flag} {}   # the routes waypoint {} runs; edit the VirtualService weights and `local status` shows them",
+            w.pod, w.gateway
+        );
     }
     let _ = writeln!(
         out,

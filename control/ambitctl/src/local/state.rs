@@ -33,6 +33,9 @@ pub enum Role {
     NodeAgent,
     Ztunnel,
     App,
+    /// `ambitctl local waypoint-controller`: starts and stops waypoint
+    /// pods as the config's waypoint Gateways come and go.
+    WaypointController,
 }
 
 impl Role {
@@ -42,6 +45,7 @@ impl Role {
             Role::NodeAgent => "ambit-node-agent",
             Role::Ztunnel => "ztunnel",
             Role::App => "ambit-demo",
+            Role::WaypointController => "waypoint-controller",
         }
     }
 }
@@ -135,6 +139,10 @@ pub struct State {
     pub processes: Vec<ProcRecord>,
     pub nodes: Vec<NodeState>,
     pub pods: Vec<PodState>,
+    /// The Envoy waypoint pods run (`ENVOY_BIN`, else `envoy` on PATH),
+    /// when one was found at `up`.
+    #[serde(default)]
+    pub envoy: Option<PathBuf>,
 }
 
 impl State {
@@ -203,11 +211,18 @@ impl State {
         self.processes.iter().rev().find(|p| {
             p.role == role
                 && match role {
-                    Role::Control => true,
+                    Role::Control | Role::WaypointController => true,
                     Role::App => p.pod.as_deref() == node_or_pod,
                     _ => p.node.as_deref() == node_or_pod,
                 }
         })
+    }
+
+    /// `<state-dir>/generated`: the Pods `ambitctl` writes for waypoint
+    /// Gateways, served by the control plane and read by the node agents
+    /// beside the config dir (`--extra-config-dir`).
+    pub fn generated_dir(&self) -> PathBuf {
+        self.state_dir.join("generated")
     }
 
     /// `<state-dir>/logs`.

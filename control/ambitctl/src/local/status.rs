@@ -11,6 +11,7 @@ use serde::Serialize;
 
 use super::process::{http_get, is_alive, read_tail};
 use super::state::{Phase, Role, State};
+use super::waypoints::{SkippedWaypoint, WaypointStatus, probe};
 
 /// Connections shown per node.
 pub const RECENT_CONNECTIONS: usize = 20;
@@ -118,6 +119,12 @@ pub struct Status {
     pub pods: Vec<PodStatus>,
     /// The last [`RECENT_CONNECTIONS`] of each node, oldest first across nodes.
     pub connections: Vec<Connection>,
+    /// The waypoint controller.
+    pub waypoint_controller: ProcStatus,
+    /// Waypoint pods, with their readiness and requests per route.
+    pub waypoints: Vec<WaypointStatus>,
+    /// Waypoint Gateways without a pod, and why.
+    pub waypoints_skipped: Vec<SkippedWaypoint>,
 }
 
 impl Status {
@@ -130,6 +137,14 @@ impl Status {
                 .iter()
                 .all(|n| n.agent.alive && n.ztunnel.alive && n.ztunnel_ready)
             && self.pods.iter().all(|p| p.app_running != Some(false))
+            && self.waypoints.iter().all(|w| w.agent_running && w.ready)
+    }
+
+    /// The waypoint pod of Gateway `namespace/name`.
+    pub fn waypoint(&self, gateway: &str) -> Option<&WaypointStatus> {
+        self.waypoints
+            .iter()
+            .find(|w| w.gateway.to_string() == gateway)
     }
 
     /// The pod `namespace/name`.
@@ -206,7 +221,11 @@ pub fn collect(state: &State) -> Status {
             }
         })
         .collect();
+    let (waypoints, waypoints_skipped) = probe::collect(state);
     Status {
+        waypoint_controller: ProcStatus::of(state, Role::WaypointController, None),
+        waypoints,
+        waypoints_skipped,
         name: state.name.clone(),
         state_dir: state.state_dir.clone(),
         config_dir: state.config_dir.clone(),

@@ -12,6 +12,7 @@ use super::plan::{Plan, plan_dir};
 use super::prereq::prerequisites;
 use super::process::{self, free_addr, spawn_detached, wait_until};
 use super::state::{ControlState, NodeState, Phase, PodState, ProcRecord, Role, State};
+use super::waypoints::find_envoy;
 use super::{DownOptions, LocalCluster, LocalError, UpOptions, check_name, down, netns};
 
 /// Longest unix socket path (`sun_path` is 108 bytes with the NUL).
@@ -24,6 +25,13 @@ pub(super) fn up(opts: &UpOptions) -> Result<LocalCluster, LocalError> {
     prerequisites(&bin_dir)?;
     let config_dir = absolute(&opts.config_dir)?;
     let plan = plan_dir(&config_dir)?;
+    let envoy = find_envoy();
+    if !plan.waypoints.is_empty() && envoy.is_none() {
+        let gateways: Vec<String> = plan.waypoints.iter().map(ToString::to_string).collect();
+        return Err(LocalError::MissingEnvoy {
+            gateways: gateways.join(", "),
+        });
+    }
 
     // Never touch an existing cluster: refuse before claiming anything.
     if State::path(&state_dir).exists() {
@@ -101,6 +109,7 @@ pub(super) fn up(opts: &UpOptions) -> Result<LocalCluster, LocalError> {
             processes: Vec::new(),
             nodes: Vec::new(),
             pods: Vec::new(),
+            envoy,
         },
         children: Vec::new(),
         timeout: opts.timeout,
@@ -189,6 +198,7 @@ impl Builder {
     fn build(&mut self) -> Result<(), LocalError> {
         self.state.save()?;
         mkdir(&self.state.log_dir())?;
+        mkdir(&self.state.generated_dir())?;
         let cni_bin = self.dir().join("cni-bin");
         mkdir(&cni_bin)?;
         for p in PLUGINS {
@@ -201,6 +211,9 @@ impl Builder {
         self.control()?;
         self.node_processes()?;
         self.pods(&cni_bin)?;
+        // Waypoints before the apps, so no app's first call finds a
+        // waypoint-bound service without its waypoint.
+        self.waypoint_controller()?;
         self.apps()?;
         self.certificates()?;
         self.state.phase = Phase::Ready;
@@ -324,6 +337,8 @@ impl Builder {
             self.bin("ambit-control").display().to_string(),
             "--config-dir".into(),
             self.state.config_dir.display().to_string(),
+            "--extra-config-dir".into(),
+            self.state.generated_dir().display().to_string(),
             "--data-dir".into(),
             data_dir.display().to_string(),
             "--node-tokens-file".into(),
@@ -378,6 +393,8 @@ impl Builder {
                 n.name.clone(),
                 "--config-dir".into(),
                 self.state.config_dir.display().to_string(),
+                "--extra-config-dir".into(),
+                self.state.generated_dir().display().to_string(),
                 "--state-dir".into(),
                 n.agent_dir.display().to_string(),
                 "--cni-socket".into(),
@@ -497,7 +514,7 @@ impl Builder {
                 pod: &pod,
                 cni_bin,
             }
-            .add(&list)?;
+            .add_retrying(&list, self.timeout)?;
             if let Some(last) = self.state.pods.last_mut() {
                 last.cni_result = Some(result);
             }

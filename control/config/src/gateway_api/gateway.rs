@@ -9,6 +9,8 @@ use crate::objects::{LabelSelector, Labels, ObjectMeta, nullable, port_number};
 pub const LABEL_WAYPOINT_FOR: &str = "istio.io/waypoint-for";
 /// Gateway classes that make a Gateway a waypoint.
 pub const WAYPOINT_GATEWAY_CLASSES: [&str; 2] = ["istio-waypoint", "ambit-waypoint"];
+/// Annotation turning a waypoint's request telemetry off (`"false"`).
+pub const ANNOTATION_REQUEST_TELEMETRY: &str = "ambit.io/request-telemetry";
 
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
@@ -160,6 +162,16 @@ impl Gateway {
     /// True for a waypoint: class `istio-waypoint` or `ambit-waypoint`.
     pub fn is_waypoint(&self) -> bool {
         WAYPOINT_GATEWAY_CLASSES.contains(&self.spec.gateway_class_name.as_str())
+    }
+
+    /// Whether the waypoint records per-request metrics and access logs:
+    /// on unless annotated `ambit.io/request-telemetry: "false"` (for
+    /// measuring their cost, or a waypoint that must not log requests).
+    pub fn request_telemetry(&self) -> bool {
+        self.metadata
+            .annotations
+            .get(ANNOTATION_REQUEST_TELEMETRY)
+            .is_none_or(|v| !v.eq_ignore_ascii_case("false"))
     }
 
     /// What the waypoint handles, from its `istio.io/waypoint-for` label

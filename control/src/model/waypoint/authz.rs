@@ -23,21 +23,37 @@
 use std::collections::BTreeMap;
 
 use ambit_config::objects::{
-    AuthorizationAction, AuthorizationPolicy, AuthorizationRule, Cidr, Condition, Operation,
-    Source,
+    AuthorizationAction, AuthorizationPolicy, AuthorizationRule, Cidr, Condition, Operation, Source,
 };
 use envoy_types::pb::envoy::config::core::v3::CidrRange;
 use envoy_types::pb::envoy::config::rbac::v3::{
     Permission, Policy, Principal, Rbac as RbacRules, permission, principal, rbac::Action,
 };
-use envoy_types::pb::envoy::config::route::v3::{HeaderMatcher, header_matcher::HeaderMatchSpecifier};
+use envoy_types::pb::envoy::config::route::v3::{
+    HeaderMatcher, header_matcher::HeaderMatchSpecifier,
+};
 use envoy_types::pb::envoy::r#type::matcher::v3::{
     FilterStateMatcher, PathMatcher, RegexMatcher, StringMatcher, filter_state_matcher,
     path_matcher, string_matcher::MatchPattern,
 };
 
-use super::envoy::{stable_map, u32_value};
+use super::envoy::{any, stable_map, u32_value};
 use super::{BoundService, Finding, WaypointPlan};
+use crate::model::index::ROOT_NAMESPACES;
+use ambit_config::gateway_api::WAYPOINT_GATEWAY_CLASSES;
+use envoy_types::pb::envoy::extensions::filters::http::rbac::v3::{Rbac as HttpRbac, RbacPerRoute};
+use envoy_types::pb::envoy::extensions::filters::network::rbac::v3::Rbac as NetworkRbac;
+use envoy_types::pb::google::protobuf::Any;
+
+/// The HTTP RBAC filters of a service chain, in the order they run: AUDIT
+/// (logs), DENY, then ALLOW. Each enforces nothing by itself; the service's
+/// virtual host gives it rules ([`per_route_configs`]), so a policy change
+/// is an RDS update that applies to the next request on every connection.
+pub const HTTP_RBAC_FILTERS: [(&str, Action); 3] = [
+    ("ambit.rbac.audit", Action::Log),
+    ("ambit.rbac.deny", Action::Deny),
+    ("ambit.rbac.allow", Action::Allow),
+];
 
 /// Filter-state key holding the HBONE peer's SPIFFE ID (a string object).
 pub const PEER_PRINCIPAL: &str = "io.ambit.peer_principal";
@@ -54,6 +70,58 @@ impl ServiceRbac {
     pub fn is_empty(&self) -> bool {
         self.deny.is_none() && self.allow.is_none() && self.audit.is_none()
     }
+
+    fn rules(&self, action: Action) -> Option<&RbacRules> {
+        match action {
+            Action::Allow => self.allow.as_ref(),
+            Action::Deny => self.deny.as_ref(),
+            Action::Log => self.audit.as_ref(),
+        }
+    }
+}
+
+/// The base config of one HTTP RBAC filter: no rules, so no enforcement.
+pub fn http_base_filter() -> HttpRbac {
+    HttpRbac::default()
+}
+
+/// The virtual host's `typed_per_filter_config` entries giving each RBAC
+/// filter the service's rules for that action (none: the filter passes).
+pub fn per_route_configs(rbac: &ServiceRbac) -> Vec<(String, Any)> {
+    HTTP_RBAC_FILTERS
+        .iter()
+        .filter_map(|(name, action)| {
+            let rules = rbac.rules(*action)?.clone();
+            let per_route = RbacPerRoute {
+                rbac: Some(HttpRbac {
+                    rules: Some(rules),
+                    track_per_rule_stats: true,
+                    ..Default::default()
+                }),
+            };
+            Some((name.to_string(), any(&per_route)))
+        })
+        .collect()
+}
+
+/// The network RBAC filters of a TCP service chain (AUDIT, DENY, ALLOW),
+/// only those with rules. A change replaces the chain: new connections get
+/// it, open ones keep the rules they were accepted under (as Istio).
+pub fn network_filters(rbac: &ServiceRbac, stat_prefix: &str) -> Vec<(String, NetworkRbac)> {
+    HTTP_RBAC_FILTERS
+        .iter()
+        .filter_map(|(name, action)| {
+            let rules = rbac.rules(*action)?.clone();
+            Some((
+                name.replace("ambit.rbac", "ambit.tcp_rbac"),
+                NetworkRbac {
+                    rules: Some(rules),
+                    stat_prefix: format!("{stat_prefix}."),
+                    ..Default::default()
+                },
+            ))
+        })
+        .collect()
 }
 
 /// Whether `policy` applies to `svc` at waypoint `plan`.
@@ -65,10 +133,19 @@ pub fn binds(policy: &AuthorizationPolicy, plan: &WaypointPlan, svc: &BoundServi
         .iter()
         .chain(policy.spec.target_ref.as_ref());
     refs.into_iter().any(|r| {
-        let rns = if r.namespace.is_empty() { ns } else { &r.namespace };
+        let rns = if r.namespace.is_empty() {
+            ns
+        } else {
+            &r.namespace
+        };
         match r.kind.as_str() {
             "Gateway" => rns == &plan.namespace && r.name == plan.name,
             "Service" => rns == &svc.namespace && r.name == svc.name,
+            // Every waypoint of the class, from a root namespace.
+            "GatewayClass" => {
+                ROOT_NAMESPACES.contains(&ns.as_str())
+                    && WAYPOINT_GATEWAY_CLASSES.contains(&r.name.as_str())
+            }
             _ => false,
         }
     })
@@ -78,6 +155,7 @@ pub fn binds(policy: &AuthorizationPolicy, plan: &WaypointPlan, svc: &BoundServi
 pub fn service_rbac(
     policies: &[&AuthorizationPolicy],
     port: u16,
+    http: bool,
     trust_domain: &str,
     findings: &mut Vec<Finding>,
 ) -> ServiceRbac {
@@ -95,7 +173,8 @@ pub fn service_rbac(
         let entries = by_action.entry(action as i32).or_default();
         let name = format!("ns[{}]-policy[{}]", p.metadata.namespace, p.metadata.name);
         for (i, rule) in p.spec.rules.iter().enumerate() {
-            if let Some(policy) = envoy_policy(rule, action, port, trust_domain, p, findings) {
+            let on = Port { number: port, http };
+            if let Some(policy) = envoy_policy(rule, action, on, trust_domain, p, findings) {
                 entries.insert(format!("{name}-rule[{i}]"), policy);
             }
         }
@@ -136,12 +215,22 @@ fn finding(p: &AuthorizationPolicy, reason: &str) -> Finding {
     }
 }
 
+/// The service port a rule is translated for.
+#[derive(Clone, Copy)]
+struct Port {
+    number: u16,
+    /// HTTP-only fields (hosts, methods, paths, request headers) apply; on
+    /// a TCP port an ALLOW rule using them matches nothing and a DENY rule
+    /// ignores them (Istio's fail-safe reading).
+    http: bool,
+}
+
 /// One rule: `from` (any) AND `to` (any) AND every `when`. `None` when the
 /// rule can never match on this port.
 fn envoy_policy(
     rule: &AuthorizationRule,
     action: Action,
-    port: u16,
+    port: Port,
     td: &str,
     p: &AuthorizationPolicy,
     findings: &mut Vec<Finding>,
@@ -165,8 +254,9 @@ fn envoy_policy(
         let ops: Vec<Permission> = rule
             .to
             .iter()
-            .filter(|t| op_port_matches(&t.operation, port))
-            .map(|t| operation(&t.operation))
+            .filter(|t| op_port_matches(&t.operation, port.number))
+            .filter(|t| port.http || !allow || !has_http_fields(&t.operation))
+            .map(|t| operation(&t.operation, port.http))
             .collect();
         if ops.is_empty() {
             return None;
@@ -174,6 +264,12 @@ fn envoy_policy(
         permissions.push(or_rules(ops));
     }
     for c in &rule.when {
+        if !port.http && c.key.starts_with("request.headers[") {
+            if allow {
+                return None;
+            }
+            continue;
+        }
         match condition(c, td) {
             Some(Cond::Principal(x)) => principals.push(x),
             Some(Cond::Permission(x)) => permissions.push(x),
@@ -409,6 +505,40 @@ fn header_perm(name: &str, v: &str) -> Permission {
     }
 }
 
+/// A host as Istio matches it: case-insensitive, with or without the port.
+fn host_perm(v: &str) -> Permission {
+    let mut exact = value_matcher(v);
+    exact.ignore_case = true;
+    let with_port = StringMatcher {
+        match_pattern: Some(MatchPattern::SafeRegex(RegexMatcher {
+            regex: format!("(?i){}:[0-9]+", host_regex(v)),
+            ..Default::default()
+        })),
+        ignore_case: false,
+    };
+    or_rules(vec![
+        Permission {
+            rule: Some(permission::Rule::Header(header(":authority", exact))),
+        },
+        Permission {
+            rule: Some(permission::Rule::Header(header(":authority", with_port))),
+        },
+    ])
+}
+
+/// A host value with Istio's `*` forms as a regex body.
+fn host_regex(v: &str) -> String {
+    if v == "*" {
+        ".+".into()
+    } else if let Some(s) = v.strip_prefix('*') {
+        format!(".*{}", regex_escape(s))
+    } else if let Some(p) = v.strip_suffix('*') {
+        format!("{}.*", regex_escape(p))
+    } else {
+        regex_escape(v)
+    }
+}
+
 fn path_perm(v: &str) -> Permission {
     Permission {
         rule: Some(permission::Rule::UrlPath(PathMatcher {
@@ -430,8 +560,22 @@ fn op_port_matches(o: &Operation, port: u16) -> bool {
         && !o.not_ports.iter().any(|p| p.0 == port)
 }
 
-/// An operation: every field given must match.
-fn operation(o: &Operation) -> Permission {
+fn has_http_fields(o: &Operation) -> bool {
+    [
+        &o.hosts,
+        &o.not_hosts,
+        &o.methods,
+        &o.not_methods,
+        &o.paths,
+        &o.not_paths,
+    ]
+    .iter()
+    .any(|v| !v.is_empty())
+}
+
+/// An operation: every field given must match (HTTP fields only on an
+/// HTTP port).
+fn operation(o: &Operation, http: bool) -> Permission {
     let mut rules = Vec::new();
     let mut field = |vals: &[String], negate: bool, f: &dyn Fn(&str) -> Permission| {
         if !vals.is_empty() {
@@ -439,12 +583,14 @@ fn operation(o: &Operation) -> Permission {
             rules.push(if negate { not_rule(p) } else { p });
         }
     };
-    field(&o.hosts, false, &|v| header_perm(":authority", v));
-    field(&o.not_hosts, true, &|v| header_perm(":authority", v));
-    field(&o.methods, false, &|v| header_perm(":method", v));
-    field(&o.not_methods, true, &|v| header_perm(":method", v));
-    field(&o.paths, false, &path_perm);
-    field(&o.not_paths, true, &path_perm);
+    if http {
+        field(&o.hosts, false, &host_perm);
+        field(&o.not_hosts, true, &host_perm);
+        field(&o.methods, false, &|v| header_perm(":method", v));
+        field(&o.not_methods, true, &|v| header_perm(":method", v));
+        field(&o.paths, false, &path_perm);
+        field(&o.not_paths, true, &path_perm);
+    }
     and_rules(rules)
 }
 
@@ -488,10 +634,13 @@ fn condition(c: &Condition, td: &str) -> Option<Cond> {
     match key {
         "source.ip" | "remote.ip" => {
             let direct = key == "source.ip";
-            let to = |vals: &[String]| or_ids(cidrs(vals).iter().map(|c| ip_id(c, direct)).collect());
+            let to =
+                |vals: &[String]| or_ids(cidrs(vals).iter().map(|c| ip_id(c, direct)).collect());
             let yes = (!c.values.is_empty()).then(|| to(&c.values));
             let no = (!c.not_values.is_empty()).then(|| not_id(to(&c.not_values)));
-            Some(Cond::Principal(and_ids(yes.into_iter().chain(no).collect())))
+            Some(Cond::Principal(and_ids(
+                yes.into_iter().chain(no).collect(),
+            )))
         }
         "source.namespace" => Some(principal_cond(&namespace_id)),
         "source.principal" => Some(principal_cond(&|v| principal_id(v, td))),
@@ -508,7 +657,9 @@ fn condition(c: &Condition, td: &str) -> Option<Cond> {
             };
             let yes = (!c.values.is_empty()).then(|| to(&c.values));
             let no = (!c.not_values.is_empty()).then(|| not_rule(to(&c.not_values)));
-            Some(Cond::Permission(and_rules(yes.into_iter().chain(no).collect())))
+            Some(Cond::Permission(and_rules(
+                yes.into_iter().chain(no).collect(),
+            )))
         }
         "destination.port" => Some(permission_cond(&|v| match v.parse::<u16>() {
             Ok(p) => port_perm(p),

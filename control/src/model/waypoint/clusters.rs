@@ -39,9 +39,12 @@ use envoy_types::pb::envoy::r#type::metadata::v3::{
 };
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind as ValueKind};
 
-use super::envoy::{any, duration, hbone_client_tls, u32_value};
+use super::envoy::{any, duration, hbone_client_tls, stable_map, u32_value};
 use super::listeners::{MAIN_INTERNAL, originate_name};
-use super::{CLUSTER_TYPE, ENDPOINT_TYPE, HBONE_PORT, WaypointPlan, cluster_name, policy};
+use super::{
+    BoundEndpoint, CLUSTER_TYPE, ENDPOINT_TYPE, HBONE_PORT, WaypointPlan, cluster_name, policy,
+    telemetry,
+};
 use crate::model::snapshot::XdsResource;
 
 /// Metadata namespace carrying an endpoint's real address.
@@ -89,7 +92,7 @@ pub fn endpoints(plan: &WaypointPlan) -> Vec<XdsResource> {
                             .all(|(k, val)| e.labels.get(k) == Some(val))
                     })
                     .filter_map(|e| Some((e, e.target_port(port.port)?)))
-                    .map(|(e, target)| tunnel_endpoint(e.ip, target, &e.identity, e.healthy))
+                    .map(|(e, target)| tunnel_endpoint(e, target))
                     .collect();
                 let cla = ClusterLoadAssignment {
                     cluster_name: name.clone(),
@@ -118,27 +121,43 @@ fn internal_address(listener: String, endpoint_id: String) -> Address {
 }
 
 /// An endpoint reached through the CONNECT-originating internal listener
-/// of its identity, with its real `ip:port` as metadata.
-fn tunnel_endpoint(ip: std::net::IpAddr, port: u16, identity: &str, healthy: bool) -> LbEndpoint {
-    let destination = std::net::SocketAddr::new(ip, port).to_string();
+/// of its identity, with its real `ip:port` as `tunnel` metadata and who it
+/// is as [`telemetry::ENDPOINT_METADATA`] (read by the request metrics).
+fn tunnel_endpoint(e: &BoundEndpoint, port: u16) -> LbEndpoint {
+    let destination = std::net::SocketAddr::new(e.ip, port).to_string();
+    let text = |v: &str| Value {
+        kind: Some(ValueKind::StringValue(v.to_string())),
+    };
     let tunnel = Struct {
-        fields: HashMap::from([(
-            DESTINATION.to_string(),
-            Value {
-                kind: Some(ValueKind::StringValue(destination.clone())),
-            },
-        )]),
+        fields: stable_map([(DESTINATION.to_string(), text(&destination))]),
+    };
+    let w = &e.workload;
+    let who = Struct {
+        fields: stable_map(
+            [
+                ("workload", w.name.as_str()),
+                ("namespace", w.namespace.as_str()),
+                ("app", w.app.as_str()),
+                ("version", w.version.as_str()),
+                ("principal", e.identity.as_str()),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), text(v))),
+        ),
     };
     LbEndpoint {
         host_identifier: Some(HostIdentifier::Endpoint(Endpoint {
-            address: Some(internal_address(originate_name(identity), destination)),
+            address: Some(internal_address(originate_name(&e.identity), destination)),
             ..Default::default()
         })),
         metadata: Some(Metadata {
-            filter_metadata: HashMap::from([(TUNNEL.to_string(), tunnel)]),
+            filter_metadata: stable_map([
+                (TUNNEL.to_string(), tunnel),
+                (telemetry::ENDPOINT_METADATA.to_string(), who),
+            ]),
             ..Default::default()
         }),
-        health_status: if healthy {
+        health_status: if e.healthy {
             HealthStatus::Healthy
         } else {
             HealthStatus::Unhealthy

@@ -42,7 +42,8 @@ pub fn stable_map<V>(
     entries: impl IntoIterator<Item = (String, V)>,
 ) -> std::collections::HashMap<String, V> {
     let sorted: std::collections::BTreeMap<String, V> = entries.into_iter().collect();
-    let mut map = std::collections::HashMap::with_capacity_and_hasher(sorted.len(), MAP_STATE.clone());
+    let mut map =
+        std::collections::HashMap::with_capacity_and_hasher(sorted.len(), MAP_STATE.clone());
     map.extend(sorted);
     map
 }

@@ -39,9 +39,13 @@ use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{
     tcp_proxy::{ClusterSpecifier as TcpCluster, TunnelingConfig},
 };
 
+use super::authz::{HTTP_RBAC_FILTERS, PEER_PRINCIPAL, http_base_filter, network_filters};
 use super::envoy::{ads, any, hbone_server_tls, u32_value};
 use super::routes::{FAULT_FILTER, route_name};
-use super::{BoundWorkload, HBONE_PORT, LISTENER_TYPE, WaypointPlan, cluster_name};
+use super::telemetry::{self, PEER_BAGGAGE};
+use super::{
+    BoundPort, BoundService, BoundWorkload, HBONE_PORT, LISTENER_TYPE, WaypointPlan, cluster_name,
+};
 use crate::model::snapshot::XdsResource;
 use envoy_types::pb::envoy::extensions::filters::http::fault::v3::HttpFault;
 
@@ -56,6 +60,8 @@ pub const CONNECT_ORIGINATE: &str = "connect_originate";
 const ORIGINAL_DST_LOCAL: &str = "envoy.filters.listener.original_dst.local_ip";
 /// ... and the original source.
 const ORIGINAL_DST_REMOTE: &str = "envoy.filters.listener.original_dst.remote_ip";
+/// Envoy's generic string filter-state object.
+const STRING_OBJECT: &str = "envoy.string";
 
 /// The internal listener (and cluster) that tunnels to peers of `identity`.
 pub fn originate_name(identity: &str) -> String {
@@ -97,10 +103,13 @@ fn format_string(text: &str) -> SubstitutionFormatString {
 }
 
 /// Shares a filter-state value, computed per request, with the upstream
-/// (internal) connection.
-fn shared_state(key: &str, format: &str) -> FilterStateValue {
+/// (internal) connection. `factory` names the object type (empty: the key
+/// is a well-known one naming its own type).
+fn shared_state(key: &str, factory: &str, format: &str) -> FilterStateValue {
     FilterStateValue {
         key: Some(filter_state_value::Key::ObjectKey(key.to_string())),
+        factory_key: factory.to_string(),
+        skip_if_empty: !factory.is_empty(),
         value: Some(filter_state_value::Value::FormatString(format_string(
             format,
         ))),
@@ -140,8 +149,13 @@ fn connect_terminate(trust_domain: &str) -> Listener {
     };
     let set_state = SetFilterState {
         on_request_headers: vec![
-            shared_state(ORIGINAL_DST_LOCAL, "%REQ(:AUTHORITY)%"),
-            shared_state(ORIGINAL_DST_REMOTE, "%DOWNSTREAM_REMOTE_ADDRESS%"),
+            shared_state(ORIGINAL_DST_LOCAL, "", "%REQ(:AUTHORITY)%"),
+            shared_state(ORIGINAL_DST_REMOTE, "", "%DOWNSTREAM_REMOTE_ADDRESS%"),
+            // Who is calling, for RBAC, metrics and logs on the service's
+            // chain: the SPIFFE ID of the HBONE client certificate and the
+            // baggage its ztunnel sent.
+            shared_state(PEER_PRINCIPAL, STRING_OBJECT, "%DOWNSTREAM_PEER_URI_SAN%"),
+            shared_state(PEER_BAGGAGE, STRING_OBJECT, "%REQ(baggage)%"),
         ],
         ..Default::default()
     };
@@ -209,31 +223,10 @@ fn main_internal(plan: &WaypointPlan) -> Listener {
             continue;
         }
         for port in &svc.ports {
-            let cluster = cluster_name(port.port, "", &svc.hostname);
-            let filter = if port.protocol.is_http() {
-                let hcm = HttpConnectionManager {
-                    stat_prefix: format!("{}_{}", svc.hostname, port.port),
-                    codec_type: CodecType::Auto as i32,
-                    route_specifier: Some(RouteSpecifier::Rds(Rds {
-                        config_source: Some(ads()),
-                        route_config_name: route_name(&svc.hostname, port.port),
-                    })),
-                    // Faults are configured per route; the filter must be
-                    // in the chain for them to act.
-                    http_filters: vec![
-                        http_filter(FAULT_FILTER, &HttpFault::default()),
-                        http_filter("envoy.filters.http.router", &Router::default()),
-                    ],
-                    ..Default::default()
-                };
-                named_filter("envoy.filters.network.http_connection_manager", &hcm)
+            let filters = if port.protocol.is_http() {
+                vec![service_hcm(svc, port, plan.telemetry)]
             } else {
-                let tcp = TcpProxy {
-                    stat_prefix: cluster.clone(),
-                    cluster_specifier: Some(TcpCluster::Cluster(cluster.clone())),
-                    ..Default::default()
-                };
-                named_filter("envoy.filters.network.tcp_proxy", &tcp)
+                service_tcp(svc, port.port)
             };
             chains.push(FilterChain {
                 name: format!("{}:{}", svc.hostname, port.port),
@@ -242,7 +235,7 @@ fn main_internal(plan: &WaypointPlan) -> Listener {
                     prefix_ranges: svc.vips.iter().map(|ip| host_range(*ip)).collect(),
                     ..Default::default()
                 }),
-                filters: vec![filter],
+                filters,
                 ..Default::default()
             });
         }
@@ -263,6 +256,54 @@ fn main_internal(plan: &WaypointPlan) -> Listener {
         filter_chains: chains,
         ..Default::default()
     }
+}
+
+/// An HTTP service port: authorization (the RBAC filters get their rules
+/// per virtual host over RDS), faults (configured per route), routing, and
+/// per-request telemetry.
+fn service_hcm(svc: &BoundService, port: &BoundPort, telemetry: bool) -> Filter {
+    let mut http_filters: Vec<HttpFilter> = HTTP_RBAC_FILTERS
+        .iter()
+        .map(|(name, _)| http_filter(name, &http_base_filter()))
+        .collect();
+    http_filters.push(http_filter(FAULT_FILTER, &HttpFault::default()));
+    http_filters.push(http_filter("envoy.filters.http.router", &Router::default()));
+    let hcm = HttpConnectionManager {
+        stat_prefix: format!("{}_{}", svc.hostname, port.port),
+        codec_type: CodecType::Auto as i32,
+        route_specifier: Some(RouteSpecifier::Rds(Rds {
+            config_source: Some(ads()),
+            route_config_name: route_name(&svc.hostname, port.port),
+        })),
+        http_filters,
+        access_log: if telemetry {
+            telemetry::access_logs(svc, port)
+        } else {
+            Vec::new()
+        },
+        ..Default::default()
+    };
+    named_filter("envoy.filters.network.http_connection_manager", &hcm)
+}
+
+/// A TCP service port: authorization (network RBAC), then the service.
+fn service_tcp(svc: &BoundService, port: u16) -> Vec<Filter> {
+    let cluster = cluster_name(port, "", &svc.hostname);
+    let mut filters: Vec<Filter> = svc
+        .rbac
+        .get(&port)
+        .map(|rbac| network_filters(rbac, &cluster))
+        .unwrap_or_default()
+        .iter()
+        .map(|(name, config)| named_filter(name, config))
+        .collect();
+    let tcp = TcpProxy {
+        stat_prefix: cluster.clone(),
+        cluster_specifier: Some(TcpCluster::Cluster(cluster)),
+        ..Default::default()
+    };
+    filters.push(named_filter("envoy.filters.network.tcp_proxy", &tcp));
+    filters
 }
 
 /// Traffic addressed to a bound workload's IPs, on any port: tunnelled at

@@ -44,6 +44,7 @@ mod plan;
 mod policy;
 mod routes;
 pub mod rules;
+mod telemetry;
 #[cfg(test)]
 mod tests;
 
@@ -80,6 +81,9 @@ pub struct WaypointPlan {
     pub workloads: Vec<BoundWorkload>,
     /// Config mistakes found while planning, for `/debug/config_errors`.
     pub findings: Vec<Finding>,
+    /// Per-request metrics and access logs (the Gateway's
+    /// `ambit.io/request-telemetry`, on by default).
+    pub telemetry: bool,
 }
 
 /// A config mistake the translation found (the object still serves as
@@ -145,6 +149,8 @@ pub struct BoundService {
     pub rules: std::collections::BTreeMap<u16, Vec<rules::RouteRule>>,
     /// Subsets and traffic policy.
     pub destination_rule: Option<ambit_config::networking::DestinationRule>,
+    /// L7 authorization per service port (ports without policies absent).
+    pub rbac: std::collections::BTreeMap<u16, authz::ServiceRbac>,
 }
 
 /// One port of a bound service.
@@ -206,7 +212,20 @@ pub struct BoundEndpoint {
     pub identity: String,
     /// Workload labels (DestinationRule subsets select by them).
     pub labels: ambit_config::objects::Labels,
+    /// Who it is, for request metrics.
+    pub workload: EndpointWorkload,
     pub healthy: bool,
+}
+
+/// The workload behind an endpoint, as request metrics name it
+/// (`destination_workload`, `_namespace`, `destination_app`,
+/// `destination_version`); carried in the endpoint's metadata.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EndpointWorkload {
+    pub name: String,
+    pub namespace: String,
+    pub app: String,
+    pub version: String,
 }
 
 impl BoundEndpoint {

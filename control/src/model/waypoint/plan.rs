@@ -19,13 +19,15 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use ambit_config::gateway_api::WaypointFor;
 use ambit_config::networking::{DestinationRule, VirtualService};
-use ambit_config::objects::Service;
+use ambit_config::objects::{AuthorizationPolicy, Service};
 use ambit_proto::workload::gateway_address::Destination;
 use ambit_proto::workload::{TunnelProtocol, WorkloadStatus};
 
+use super::authz;
 use super::rules::{self, RouteRule, RuleAction, qualify};
 use super::{
-    BoundEndpoint, BoundPort, BoundService, BoundWorkload, Finding, Protocol, WaypointPlan,
+    BoundEndpoint, BoundPort, BoundService, BoundWorkload, EndpointWorkload, Finding, Protocol,
+    WaypointPlan,
 };
 use crate::model::ModelOptions;
 use crate::model::index::{
@@ -100,6 +102,7 @@ pub(crate) fn plan(
                     services: Vec::new(),
                     workloads: Vec::new(),
                     findings: Vec::new(),
+                    telemetry: gw.request_telemetry(),
                 },
             );
         }
@@ -111,6 +114,11 @@ pub(crate) fn plan(
     let catalog = Catalog::new(store, drafts, keys);
     let virtual_services = virtual_services_by_host(store);
     let destination_rules = destination_rules_by_host(store);
+    let policies: Vec<&AuthorizationPolicy> = store
+        .spaces()
+        .flat_map(|(_, objs)| objs.authorization_policies.values())
+        .collect();
+    let mut policy_findings = Vec::new();
     for (host, (ns, svc)) in &catalog.services {
         let ns_labels = store.namespace_labels(ns);
         let Some(w) = waypoint_ref(ns, ns_labels, &svc.metadata.labels) else {
@@ -128,7 +136,16 @@ pub(crate) fn plan(
         let mut bound = bound_service(host, ns, svc, &catalog, drafts, opts, &destination_rules);
         bound.bound = true;
         route_service(&mut bound, store, &virtual_services, &mut plan.findings);
+        authorize_service(&mut bound, plan, &policies, opts, &mut policy_findings);
         plan.services.push(bound);
+    }
+    // A policy bound to several services or ports is reported once.
+    policy_findings.sort_by(|a: &Finding, b| {
+        (&a.namespace, &a.name, &a.reason).cmp(&(&b.namespace, &b.name, &b.reason))
+    });
+    policy_findings.dedup();
+    if let Some(first) = plans.values_mut().next() {
+        first.findings.extend(policy_findings);
     }
     // Services the rules send traffic to get clusters too.
     for plan in plans.values_mut() {
@@ -300,10 +317,42 @@ fn bound_service(
         endpoints,
         bound: false,
         rules: BTreeMap::new(),
+        rbac: BTreeMap::new(),
         destination_rule: destination_rules
             .get(host)
             .and_then(|v| v.first())
             .map(|dr| (*dr).clone()),
+    }
+}
+
+/// The L7 authorization of each port of a service bound to `plan`, from
+/// the policies that bind to it there.
+fn authorize_service(
+    svc: &mut BoundService,
+    plan: &WaypointPlan,
+    policies: &[&AuthorizationPolicy],
+    opts: &ModelOptions,
+    findings: &mut Vec<Finding>,
+) {
+    let bound: Vec<&AuthorizationPolicy> = policies
+        .iter()
+        .copied()
+        .filter(|p| authz::binds(p, plan, svc))
+        .collect();
+    if bound.is_empty() {
+        return;
+    }
+    for port in &svc.ports {
+        let rbac = authz::service_rbac(
+            &bound,
+            port.port,
+            port.protocol.is_http(),
+            &opts.trust_domain,
+            findings,
+        );
+        if !rbac.is_empty() {
+            svc.rbac.insert(port.port, rbac);
+        }
     }
 }
 
@@ -440,6 +489,12 @@ fn endpoints(
             ports,
             identity: identity(opts, &w.namespace, &w.service_account),
             labels: draft_labels(d),
+            workload: EndpointWorkload {
+                name: w.workload_name.clone(),
+                namespace: w.namespace.clone(),
+                app: w.canonical_name.clone(),
+                version: w.canonical_revision.clone(),
+            },
             healthy: w.status != WorkloadStatus::Unhealthy as i32,
         });
     }

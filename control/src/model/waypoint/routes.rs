@@ -34,7 +34,8 @@ use envoy_types::pb::envoy::r#type::matcher::v3::{
 };
 use envoy_types::pb::envoy::r#type::v3::{FractionalPercent, fractional_percent::DenominatorType};
 
-use super::envoy::{any, bool_value, duration, u32_value};
+use super::authz;
+use super::envoy::{any, bool_value, duration, stable_map, u32_value};
 use super::rules::{
     Forward, HeaderEdits, PathRewrite, RequestMatch, RetryRule, RouteRule, RuleAction, TextMatch,
     WeightedDestination, default_retry_on,
@@ -69,6 +70,12 @@ pub fn routes(plan: &WaypointPlan) -> Vec<XdsResource> {
                     name: name.clone(),
                     domains: domains(svc, port.port),
                     routes,
+                    // The service's L7 authorization for this port.
+                    typed_per_filter_config: svc
+                        .rbac
+                        .get(&port.port)
+                        .map(|rbac| stable_map(authz::per_route_configs(rbac)))
+                        .unwrap_or_default(),
                     ..Default::default()
                 }],
                 ..Default::default()
