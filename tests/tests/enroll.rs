@@ -371,12 +371,22 @@ async fn a_pod_ztunnel_cannot_serve_is_reported_and_retried_until_served() {
     // While ztunnel is down, something that is not a ztunnel (no
     // SO_REUSEPORT) takes the client's :15001.
     bed.stop_ztunnel(0).await;
-    let squatter = client
-        .net
-        .open()
-        .unwrap()
-        .run_in(|| std::net::TcpListener::bind("0.0.0.0:15001"))
-        .unwrap();
+    // The stopped ztunnel's listener may take a moment to close on a busy
+    // machine: retry the bind briefly.
+    let netns = client.net.open().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let squatter = loop {
+        match netns.run_in(|| std::net::TcpListener::bind("0.0.0.0:15001")) {
+            Ok(l) => break l,
+            Err(e)
+                if e.kind() == std::io::ErrorKind::AddrInUse
+                    && std::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("binding :15001 in the client pod: {e}"),
+        }
+    };
     bed.start_ztunnel_again(0).await.unwrap();
 
     let readiness = bed.ztunnel(0).readiness_addr();

@@ -33,6 +33,8 @@ use nix::sys::signal::Signal;
 const GATEWAY: &str = "ai-inference/waypoint";
 const WAYPOINT_POD: &str = "ai-inference/waypoint-0";
 const CLIENT: &str = "ai-inference/orchestrator-0";
+/// Requests of the 80/20 check.
+const SPLIT_REQUESTS: usize = 2_000;
 const LLM: &str = "10.96.0.20:80";
 const CANARY_FILE: &str = "llm-canary.yaml";
 
@@ -221,12 +223,20 @@ fn waypoint_pod_runs_the_llm_canary_and_follows_the_config() {
     );
     println!("{}", c.render_status());
 
-    // 2. 80/20 over 1,000 requests, through the waypoint's Envoy.
+    // 2. 80/20 over 2,000 requests, through the waypoint's Envoy (±4 % is
+    // 4.5 standard deviations of a fair 80/20 draw at this count).
     let client = pod_net(c, CLIENT);
     let dst: SocketAddr = LLM.parse().unwrap();
     let before = waypoint_requests(c);
     let t = Instant::now();
-    let replies = rt.block_on(httpapp::many(&client, dst, 1000, 8, "/generate", &[]));
+    let replies = rt.block_on(httpapp::many(
+        &client,
+        dst,
+        SPLIT_REQUESTS,
+        8,
+        "/generate",
+        &[],
+    ));
     let took = t.elapsed();
     let (by, failures) = served_by(&replies);
     assert!(
@@ -237,9 +247,11 @@ fn waypoint_pod_runs_the_llm_canary_and_follows_the_config() {
     );
     let v1 = by.get("llm-v1-0").copied().unwrap_or(0);
     let v2 = by.get("llm-v2-0").copied().unwrap_or(0);
-    assert_eq!(v1 + v2, 1000, "{by:?}");
-    let share = v2 as f64 / 10.0;
-    println!("split over 1000 requests in {took:?}: v1 {v1}, v2 {v2} ({share:.1} % to v2)");
+    assert_eq!(v1 + v2, SPLIT_REQUESTS, "{by:?}");
+    let share = 100.0 * v2 as f64 / SPLIT_REQUESTS as f64;
+    println!(
+        "split over {SPLIT_REQUESTS} requests in {took:?}: v1 {v1}, v2 {v2} ({share:.1} % to v2)"
+    );
     assert!(
         (share - 20.0).abs() <= 4.0,
         "v2 got {share} %, want 20 ± 4: {by:?}"
