@@ -241,10 +241,15 @@ async fn bench() -> Result<()> {
     );
     let (ev_tx, mut ev_rx) = mpsc::channel(clients * 4);
     let start = Instant::now();
+    // Set when the measurements are done: streams then end with the runtime.
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     for i in 0..clients {
         let ev = ev_tx.clone();
+        let done = done.clone();
         tokio::spawn(async move {
-            if let Err(e) = client(addr, i, ev).await {
+            if let Err(e) = client(addr, i, ev).await
+                && !done.load(std::sync::atomic::Ordering::Relaxed)
+            {
                 eprintln!("client {i}: {e:#}");
             }
         });
@@ -293,6 +298,7 @@ async fn bench() -> Result<()> {
             first.unwrap_or_default()
         );
     }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
     lasts.sort();
     println!(
         "one weight change to {clients} waypoint clients (snapshot publish to the last client holding it): median {:?}, max {:?} over {rounds} rounds",

@@ -156,7 +156,6 @@ pub fn service_rbac(
     policies: &[&AuthorizationPolicy],
     port: u16,
     http: bool,
-    trust_domain: &str,
     findings: &mut Vec<Finding>,
 ) -> ServiceRbac {
     let mut by_action: BTreeMap<i32, BTreeMap<String, Policy>> = BTreeMap::new();
@@ -174,7 +173,7 @@ pub fn service_rbac(
         let name = format!("ns[{}]-policy[{}]", p.metadata.namespace, p.metadata.name);
         for (i, rule) in p.spec.rules.iter().enumerate() {
             let on = Port { number: port, http };
-            if let Some(policy) = envoy_policy(rule, action, on, trust_domain, p, findings) {
+            if let Some(policy) = envoy_policy(rule, action, on, p, findings) {
                 entries.insert(format!("{name}-rule[{i}]"), policy);
             }
         }
@@ -231,7 +230,6 @@ fn envoy_policy(
     rule: &AuthorizationRule,
     action: Action,
     port: Port,
-    td: &str,
     p: &AuthorizationPolicy,
     findings: &mut Vec<Finding>,
 ) -> Option<Policy> {
@@ -243,7 +241,7 @@ fn envoy_policy(
         let sources: Vec<Principal> = rule
             .from
             .iter()
-            .filter_map(|f| source(&f.source, td, allow, &mut unsupported))
+            .filter_map(|f| source(&f.source, allow, &mut unsupported))
             .collect();
         if sources.is_empty() {
             return None;
@@ -270,7 +268,7 @@ fn envoy_policy(
             }
             continue;
         }
-        match condition(c, td) {
+        match condition(c) {
             Some(Cond::Principal(x)) => principals.push(x),
             Some(Cond::Permission(x)) => permissions.push(x),
             None => {
@@ -403,8 +401,9 @@ fn peer(matcher: StringMatcher) -> Principal {
 }
 
 /// A principal (`cluster.local/ns/a/sa/b`, with `*` forms) as the SPIFFE
-/// URI the certificate carries.
-fn principal_id(v: &str, td: &str) -> Principal {
+/// URI the certificate carries (written with its trust domain, as Istio
+/// writes principals).
+fn principal_id(v: &str) -> Principal {
     let v = v.strip_prefix("spiffe://").unwrap_or(v);
     let m = if v == "*" {
         value_matcher("*")
@@ -413,7 +412,6 @@ fn principal_id(v: &str, td: &str) -> Principal {
     } else {
         value_matcher(&format!("spiffe://{v}"))
     };
-    let _ = td;
     peer(m)
 }
 
@@ -454,16 +452,16 @@ fn ip_id(c: &Cidr, direct: bool) -> Principal {
 }
 
 /// A source: every field given must match.
-fn source(s: &Source, td: &str, allow: bool, unsupported: &mut Vec<String>) -> Option<Principal> {
+fn source(s: &Source, allow: bool, unsupported: &mut Vec<String>) -> Option<Principal> {
     let mut ids = Vec::new();
     let any_of = |vals: &[String], f: &dyn Fn(&str) -> Principal| {
         or_ids(vals.iter().map(|v| f(v)).collect())
     };
     if !s.principals.is_empty() {
-        ids.push(any_of(&s.principals, &|v| principal_id(v, td)));
+        ids.push(any_of(&s.principals, &|v| principal_id(v)));
     }
     if !s.not_principals.is_empty() {
-        ids.push(not_id(any_of(&s.not_principals, &|v| principal_id(v, td))));
+        ids.push(not_id(any_of(&s.not_principals, &|v| principal_id(v))));
     }
     if !s.namespaces.is_empty() {
         ids.push(any_of(&s.namespaces, &namespace_id));
@@ -600,7 +598,7 @@ enum Cond {
 }
 
 /// A `when` condition, or `None` for a key the waypoint cannot check.
-fn condition(c: &Condition, td: &str) -> Option<Cond> {
+fn condition(c: &Condition) -> Option<Cond> {
     let key = c.key.as_str();
     let cidrs = |vals: &[String]| -> Vec<Cidr> {
         vals.iter()
@@ -643,7 +641,7 @@ fn condition(c: &Condition, td: &str) -> Option<Cond> {
             )))
         }
         "source.namespace" => Some(principal_cond(&namespace_id)),
-        "source.principal" => Some(principal_cond(&|v| principal_id(v, td))),
+        "source.principal" => Some(principal_cond(&|v| principal_id(v))),
         "destination.ip" => {
             let to = |vals: &[String]| {
                 or_rules(

@@ -136,7 +136,7 @@ pub(crate) fn plan(
         let mut bound = bound_service(host, ns, svc, &catalog, drafts, opts, &destination_rules);
         bound.bound = true;
         route_service(&mut bound, store, &virtual_services, &mut plan.findings);
-        authorize_service(&mut bound, plan, &policies, opts, &mut policy_findings);
+        authorize_service(&mut bound, plan, &policies, &mut policy_findings);
         plan.services.push(bound);
     }
     // A policy bound to several services or ports is reported once.
@@ -331,7 +331,6 @@ fn authorize_service(
     svc: &mut BoundService,
     plan: &WaypointPlan,
     policies: &[&AuthorizationPolicy],
-    opts: &ModelOptions,
     findings: &mut Vec<Finding>,
 ) {
     let bound: Vec<&AuthorizationPolicy> = policies
@@ -343,13 +342,7 @@ fn authorize_service(
         return;
     }
     for port in &svc.ports {
-        let rbac = authz::service_rbac(
-            &bound,
-            port.port,
-            port.protocol.is_http(),
-            &opts.trust_domain,
-            findings,
-        );
+        let rbac = authz::service_rbac(&bound, port.port, port.protocol.is_http(), findings);
         if !rbac.is_empty() {
             svc.rbac.insert(port.port, rbac);
         }

@@ -184,7 +184,6 @@ pub fn route_rows(scrape: &Scrape) -> Vec<RouteRow> {
             let host = r.destination.rsplit_once(':').map_or("", |(h, _)| h);
             let from_envoy = envoy.get(&r.cluster).copied().unwrap_or_default();
             let host_in_istio = istio.keys().any(|k| k.split('|').next() == Some(host));
-            let buckets = latency.get(&format!("{host}|{}", r.subset));
             let (c, source) = match istio.get(&format!("{host}|{}", r.subset)) {
                 Some(c) if !r.subset.is_empty() => (*c, "istio_requests_total"),
                 // A version nothing reached yet: both sources say zero.
@@ -193,6 +192,10 @@ pub fn route_rows(scrape: &Scrape) -> Vec<RouteRow> {
                 }
                 _ => (from_envoy, "envoy cluster stats"),
             };
+            // Percentiles only beside Istio's counts (same series).
+            let buckets = (source == "istio_requests_total")
+                .then(|| latency.get(&format!("{host}|{}", r.subset)))
+                .flatten();
             RouteRow {
                 route: r.virtual_host.clone(),
                 match_: r.match_.clone(),
@@ -203,12 +206,8 @@ pub fn route_rows(scrape: &Scrape) -> Vec<RouteRow> {
                 ok_2xx: c.ok,
                 error_5xx: c.errors,
                 retries: from_envoy.retries,
-                p50_ms: buckets
-                    .filter(|_| source.starts_with("istio"))
-                    .and_then(|b| quantile(b, 0.5)),
-                p99_ms: buckets
-                    .filter(|_| source.starts_with("istio"))
-                    .and_then(|b| quantile(b, 0.99)),
+                p50_ms: buckets.and_then(|b| quantile(b, 0.5)),
+                p99_ms: buckets.and_then(|b| quantile(b, 0.99)),
                 source: source.to_string(),
             }
         })
