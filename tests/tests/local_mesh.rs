@@ -42,11 +42,13 @@ fn up(
     config: &std::path::Path,
     bins: PathBuf,
     state: &tempfile::TempDir,
+    working_copy: bool,
 ) -> DownOnDrop {
     let name = format!("t{:06x}", rand::random::<u32>() & 0xff_ffff);
     let mut opts = UpOptions::new(config, bins);
     opts.name = name;
     opts.state_dir = Some(state.path().join("state"));
+    opts.working_copy = working_copy;
     let cluster = local::up(&opts).unwrap_or_else(|e| panic!("{test}: local up failed: {e}"));
     cluster.down_on_drop()
 }
@@ -73,7 +75,7 @@ fn demo_platform_is_mtls_across_nodes_and_refuses_legacy_plaintext() {
     let Some(bins) = bin_dir(test) else { return };
     let config = copy_fixture(&workspace_root().join("deploy/local/demo")).unwrap();
     let state = tempfile::tempdir().unwrap();
-    let guard = up(test, config.path(), bins, &state);
+    let guard = up(test, config.path(), bins, &state, false);
     let c: &LocalCluster = &guard;
 
     // Every ai-inference pod is enrolled, the legacy ones are not.
@@ -134,7 +136,9 @@ fn labelling_a_namespace_enrolls_its_running_pods() {
     let Some(bins) = bin_dir(test) else { return };
     let config = copy_fixture(&workspace_root().join("deploy/local/demo")).unwrap();
     let state = tempfile::tempdir().unwrap();
-    let guard = up(test, config.path(), bins, &state);
+    // As `ambitctl local up` runs it: the mesh serves a working copy in the
+    // state dir, so the edit below never touches the directory given to up.
+    let guard = up(test, config.path(), bins, &state, true);
     let c: &LocalCluster = &guard;
     let call = [
         "ambit-demo",
@@ -146,7 +150,14 @@ fn labelling_a_namespace_enrolls_its_running_pods() {
 
     // legacy becomes ambient: its running pods are enrolled (no restart) and
     // the client now reaches the STRICT orchestrator over mTLS.
-    let ns = config.path().join("namespaces.yaml");
+    assert_eq!(c.source_dir(), Some(config.path()));
+    assert!(
+        c.config_dir().starts_with(state.path()),
+        "{}",
+        c.config_dir().display()
+    );
+    let original = std::fs::read_to_string(config.path().join("namespaces.yaml")).unwrap();
+    let ns = c.config_dir().join("namespaces.yaml");
     let text = std::fs::read_to_string(&ns).unwrap().replace(
         "metadata:\n  name: legacy\n",
         "metadata:\n  name: legacy\n  labels:\n    istio.io/dataplane-mode: ambient\n",
@@ -167,6 +178,23 @@ fn labelling_a_namespace_enrolls_its_running_pods() {
         "the legacy client to get through",
         Duration::from_secs(20),
         || exec(c, "legacy/legacy-client", &call).0,
+    );
+    assert_eq!(
+        std::fs::read_to_string(config.path().join("namespaces.yaml")).unwrap(),
+        original,
+        "the directory given to `up` was edited"
+    );
+    // `local down --keep-config DIR` saves the edited copy, then removes all.
+    let kept = state.path().join("kept");
+    let mut down = local::DownOptions::new(c.name());
+    down.state_dir = Some(c.state_dir().to_path_buf());
+    down.keep_config = Some(kept.clone());
+    let report = local::down(&down).unwrap();
+    assert_eq!(report.config_kept.as_deref(), Some(kept.as_path()));
+    assert!(report.state_dir_removed);
+    assert_eq!(
+        std::fs::read_to_string(kept.join("namespaces.yaml")).unwrap(),
+        text
     );
     guard.down().unwrap();
 }

@@ -448,3 +448,28 @@ mod backoff_tests {
         assert!(b.next_delay() <= Duration::from_millis(125));
     }
 }
+
+#[cfg(test)]
+mod token_tests {
+    use super::read_token;
+
+    /// Kubernetes' projected tokens end without a newline, hand-written
+    /// files (`echo s3cret > token`) with one: both send the same header.
+    #[tokio::test]
+    async fn token_files_with_and_without_a_newline_send_the_same_header() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, body) in [
+            ("k8s", "s3cret"),
+            ("echo", "s3cret\n"),
+            ("crlf", "s3cret\r\n"),
+        ] {
+            let path = dir.path().join(name);
+            std::fs::write(&path, body).unwrap();
+            let value = read_token(&path).await.unwrap();
+            assert_eq!(value.to_str().unwrap(), "Bearer s3cret", "{name}");
+        }
+        let empty = dir.path().join("empty");
+        std::fs::write(&empty, "\n").unwrap();
+        assert!(read_token(&empty).await.is_err());
+    }
+}

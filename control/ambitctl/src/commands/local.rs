@@ -46,12 +46,22 @@ pub enum LocalCmd {
         /// Longest wait for each readiness step, in seconds.
         #[arg(long, default_value_t = 30)]
         timeout_secs: u64,
+        /// Serve DIR itself (edits to DIR apply live) instead of a working
+        /// copy of its config files in the state directory (the default,
+        /// so playing never edits a checkout's tracked files).
+        #[arg(long)]
+        in_place: bool,
     },
     /// Stops every process, removes every network namespace and the state
-    /// directory; also after a crash or a half-finished `up`.
+    /// directory (with the config's working copy); also after a crash or a
+    /// half-finished `up`.
     Down {
         #[command(flatten)]
         which: Which,
+        /// First save the config's working copy (with your edits) in DIR, a
+        /// new or empty directory; nothing is removed if that fails.
+        #[arg(long, value_name = "DIR")]
+        keep_config: Option<PathBuf>,
     },
     /// Nodes, pods, enrollment and recent connections (mTLS or plaintext).
     Status {
@@ -94,6 +104,7 @@ pub fn run(cmd: LocalCmd) -> Result<ExitCode> {
             bin_dir,
             keep_on_failure,
             timeout_secs,
+            in_place,
         } => {
             let bin_dir = match bin_dir {
                 Some(d) => d,
@@ -108,6 +119,7 @@ pub fn run(cmd: LocalCmd) -> Result<ExitCode> {
             opts.state_dir = which.state_dir;
             opts.keep_on_failure = keep_on_failure;
             opts.timeout = Duration::from_secs(timeout_secs);
+            opts.working_copy = !in_place;
             eprintln!(
                 "Starting local cluster {} from {} (state in {}) ...",
                 opts.name,
@@ -118,9 +130,10 @@ pub fn run(cmd: LocalCmd) -> Result<ExitCode> {
             out(&cluster.summary());
             Ok(ExitCode::SUCCESS)
         }
-        LocalCmd::Down { which } => {
+        LocalCmd::Down { which, keep_config } => {
             let mut opts = DownOptions::new(which.name);
             opts.state_dir = which.state_dir;
+            opts.keep_config = keep_config;
             let report = local::down(&opts)?;
             out(&report.render());
             Ok(ExitCode::SUCCESS)

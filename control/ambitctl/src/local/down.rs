@@ -28,6 +28,9 @@ pub struct DownOptions {
     pub state_dir: Option<PathBuf>,
     /// How long processes get after SIGTERM before SIGKILL.
     pub grace: Duration,
+    /// Save the config's working copy here first (a new or empty
+    /// directory); nothing is removed when that fails.
+    pub keep_config: Option<PathBuf>,
 }
 
 impl DownOptions {
@@ -37,6 +40,7 @@ impl DownOptions {
             name: name.into(),
             state_dir: None,
             grace: Duration::from_secs(5),
+            keep_config: None,
         }
     }
 }
@@ -52,6 +56,8 @@ pub struct DownReport {
     pub killed: Vec<u32>,
     pub netns_removed: Vec<String>,
     pub state_dir_removed: bool,
+    /// Where the config's working copy was saved (`keep_config`).
+    pub config_kept: Option<PathBuf>,
     /// Things worth knowing (an unreadable state file, ...).
     pub notes: Vec<String>,
 }
@@ -90,6 +96,12 @@ impl DownReport {
         if self.state_dir_removed {
             out.push_str(&format!("removed {}\n", self.state_dir.display()));
         }
+        if let Some(kept) = &self.config_kept {
+            out.push_str(&format!(
+                "kept the config's working copy in {}\n",
+                kept.display()
+            ));
+        }
         if !self.was_empty() {
             out.push_str(&format!("Local cluster {} is gone.\n", self.name));
         }
@@ -121,6 +133,16 @@ pub fn down(opts: &DownOptions) -> Result<DownReport, LocalError> {
             None
         }
     };
+    // Save the working copy before anything goes; on failure nothing has.
+    if let Some(to) = &opts.keep_config {
+        match state.as_ref().and_then(|s| s.source_dir.as_ref().map(|_| s)) {
+            Some(s) => report.config_kept = Some(super::workcopy::keep(&s.config_dir, to)?),
+            None => report.notes.push(format!(
+                "--keep-config {}: the cluster served its config directory in place (no working copy); nothing to keep",
+                to.display()
+            )),
+        }
+    }
 
     // The waypoint controller first, so it restarts no waypoint agent
     // while the rest is being stopped.

@@ -49,6 +49,7 @@ pub mod state;
 pub mod status;
 mod up;
 pub mod waypoints;
+mod workcopy;
 
 pub use apps::app_ports;
 pub use down::{DownOptions, DownReport, down};
@@ -58,6 +59,7 @@ pub use prereq::{BINARIES, CONTROLLER_BINARY, prerequisites};
 pub use state::{ControlState, NodeState, Phase, PodState, ProcRecord, Role, State};
 pub use status::{Connection, Status};
 pub use waypoints::{ControllerOptions, WaypointTable, run_controller};
+pub use workcopy::WORKING_COPY_DIR;
 
 /// The cluster name when none is given.
 pub const DEFAULT_NAME: &str = "ambit";
@@ -106,10 +108,15 @@ pub struct UpOptions {
     pub keep_on_failure: bool,
     /// Longest wait for each readiness step.
     pub timeout: Duration,
+    /// Serve a copy of `config_dir`'s config files kept in the state
+    /// directory (`<state-dir>/config`, what `ambitctl local up` does) instead
+    /// of `config_dir` itself: edits then go to the cluster's own files.
+    pub working_copy: bool,
 }
 
 impl UpOptions {
-    /// Defaults: name `ambit`, default state dir, 30 s per readiness step.
+    /// Defaults: name `ambit`, default state dir, 30 s per readiness step,
+    /// `config_dir` served in place.
     pub fn new(config_dir: impl Into<PathBuf>, bin_dir: impl Into<PathBuf>) -> Self {
         Self {
             config_dir: config_dir.into(),
@@ -118,6 +125,7 @@ impl UpOptions {
             bin_dir: bin_dir.into(),
             keep_on_failure: false,
             timeout: Duration::from_secs(30),
+            working_copy: false,
         }
     }
 
@@ -171,6 +179,17 @@ impl LocalCluster {
 
     pub fn log_dir(&self) -> PathBuf {
         self.state.log_dir()
+    }
+
+    /// The config directory the mesh serves (a working copy in the state
+    /// directory unless `up` served its directory in place).
+    pub fn config_dir(&self) -> &Path {
+        &self.state.config_dir
+    }
+
+    /// The directory the working copy was made from, if there is one.
+    pub fn source_dir(&self) -> Option<&Path> {
+        self.state.source_dir.as_deref()
     }
 
     pub fn nodes(&self) -> &[NodeState] {
@@ -255,15 +274,19 @@ impl LocalCluster {
             .iter()
             .filter_map(|p| Some((p.key(), p.app.clone()?)))
             .collect();
-        render::up_summary(&self.status(), &apps)
+        let ambitctl = ambitctl_command();
+        let hints = render::Hints {
+            ambitctl: &ambitctl,
+            source_dir: self.state.source_dir.as_deref(),
+        };
+        render::up_summary(&self.status(), &apps, &hints)
     }
 
     /// Removes the cluster (processes, namespaces, state dir).
     pub fn down(mut self) -> Result<DownReport, LocalError> {
         let report = down(&DownOptions {
-            name: self.state.name.clone(),
             state_dir: Some(self.state.state_dir.clone()),
-            grace: Duration::from_secs(5),
+            ..DownOptions::new(self.state.name.clone())
         });
         for c in &mut self.children {
             let _ = c.try_wait();
@@ -318,5 +341,31 @@ impl Drop for DownOnDrop {
         {
             eprintln!("ambit local: cleaning up: {e}");
         }
+    }
+}
+
+/// How to run this `ambitctl` again, for printed hints: `ambitctl` when the
+/// one on PATH is this binary, else the path it was started by
+/// (`target/release/ambitctl`, which works from the same directory).
+pub fn ambitctl_command() -> String {
+    const NAME: &str = "ambitctl";
+    let Ok(exe) = std::env::current_exe() else {
+        return NAME.into();
+    };
+    if exe.file_name().is_none_or(|n| n != NAME) {
+        return NAME.into(); // the library, used by another program
+    }
+    let on_path = std::env::var_os("PATH").is_some_and(|path| {
+        std::env::split_paths(&path).any(|dir| {
+            std::fs::canonicalize(dir.join(NAME))
+                .is_ok_and(|p| std::fs::canonicalize(&exe).is_ok_and(|e| e == p))
+        })
+    });
+    if on_path {
+        return NAME.into();
+    }
+    match std::env::args_os().next() {
+        Some(a) if a.to_string_lossy().contains('/') => a.to_string_lossy().into_owned(),
+        _ => exe.display().to_string(),
     }
 }

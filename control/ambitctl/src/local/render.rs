@@ -322,20 +322,48 @@ pub fn status(s: &Status) -> String {
     out
 }
 
+/// How `local up`'s hints name the cluster and the command.
+pub struct Hints<'a> {
+    /// The command that runs this `ambitctl` as the user typed it
+    /// (`ambitctl` when that is the one on PATH).
+    pub ambitctl: &'a str,
+    /// The directory the served working copy was made from, if any.
+    pub source_dir: Option<&'a std::path::Path>,
+}
+
 /// What `local up` prints once the cluster is ready.
-pub fn up_summary(s: &Status, app_args: &[(String, Vec<String>)]) -> String {
+pub fn up_summary(s: &Status, app_args: &[(String, Vec<String>)], hints: &Hints) -> String {
     let flag = if s.name == super::DEFAULT_NAME {
         String::new()
     } else {
         format!(" --name {}", s.name)
     };
+    let ctl = hints.ambitctl;
     let mut out = format!(
-        "Local cluster {} is up: {} nodes, {} pods; config {} (edits apply live).\n\n",
+        "Local cluster {} is up: {} nodes, {} pods.\n",
         s.name,
         s.nodes.len(),
         s.pods.len(),
-        s.config_dir.display()
     );
+    match hints.source_dir {
+        Some(src) => {
+            let _ = writeln!(
+                out,
+                "Config: a working copy of {} in {}: edit the files there, changes apply live; \
+                 {src} stays as it is. `{ctl} local down{flag} --keep-config DIR` saves the copy.\n",
+                src.display(),
+                s.config_dir.display(),
+                src = src.display(),
+            );
+        }
+        None => {
+            let _ = writeln!(
+                out,
+                "Config: {} (served in place: edits apply live).\n",
+                s.config_dir.display()
+            );
+        }
+    }
     out.push_str(&body(s));
     let _ = writeln!(
         out,
@@ -345,21 +373,21 @@ pub fn up_summary(s: &Status, app_args: &[(String, Vec<String>)]) -> String {
     out.push_str("\nNext:\n");
     let _ = writeln!(
         out,
-        "  ambitctl local status{flag}          # nodes, pods, recent connections and whether they were mTLS"
+        "  {ctl} local status{flag}          # nodes, pods, recent connections and whether they were mTLS"
     );
     for line in exec_examples(s, app_args) {
-        let _ = writeln!(out, "  ambitctl local exec{flag} {line}");
+        let _ = writeln!(out, "  {ctl} local exec{flag} {line}");
     }
     if let Some(w) = s.waypoints.first() {
         let _ = writeln!(
             out,
-            "  ambitctl proxy-config routes{flag} {}   # the routes waypoint {} runs; edit the VirtualService weights and `local status` shows them",
+            "  {ctl} proxy-config routes{flag} {}   # the routes waypoint {} runs; edit the VirtualService weights and `local status` shows them",
             w.pod, w.gateway
         );
     }
     let _ = writeln!(
         out,
-        "  ambitctl local down{flag}            # removes every process, namespace and file"
+        "  {ctl} local down{flag}            # removes every process, namespace and file"
     );
     out
 }

@@ -128,7 +128,11 @@ impl PodState {
 pub struct State {
     pub name: String,
     pub state_dir: PathBuf,
+    /// The directory the mesh serves (and the node agents read).
     pub config_dir: PathBuf,
+    /// When `config_dir` is a working copy: the directory it was copied from.
+    #[serde(default)]
+    pub source_dir: Option<PathBuf>,
     pub bin_dir: PathBuf,
     pub phase: Phase,
     /// Seconds since the Unix epoch when `up` began.

@@ -93,12 +93,25 @@ pub(super) fn up(opts: &UpOptions) -> Result<LocalCluster, LocalError> {
         Err(e) => return Err(LocalError::io("creating the state file", &state_file)(e)),
     }
 
+    // The config the mesh serves: a working copy in the state dir, so edits
+    // never touch the files `up` was given (a checkout's tracked demo).
+    let (config_dir, source_dir) = if opts.working_copy {
+        let copy = state_dir.join(super::WORKING_COPY_DIR);
+        if let Err(e) = super::workcopy::copy_config(&config_dir, &copy) {
+            let _ = std::fs::remove_dir_all(&state_dir);
+            return Err(e);
+        }
+        (copy, Some(config_dir))
+    } else {
+        (config_dir, None)
+    };
     let mut b = Builder {
         plan,
         state: State {
             name: opts.name.clone(),
             state_dir: state_dir.clone(),
             config_dir,
+            source_dir,
             bin_dir,
             phase: Phase::Starting,
             started_at: std::time::SystemTime::now()
@@ -127,9 +140,8 @@ pub(super) fn up(opts: &UpOptions) -> Result<LocalCluster, LocalError> {
                 )
             } else {
                 let report = down(&DownOptions {
-                    name: opts.name.clone(),
                     state_dir: Some(state_dir),
-                    grace: Duration::from_secs(5),
+                    ..DownOptions::new(opts.name.clone())
                 });
                 for mut c in b.children {
                     let _ = c.try_wait();
@@ -322,7 +334,9 @@ impl Builder {
         let mut lines = String::new();
         for n in &self.state.nodes {
             let token = random_hex(16);
-            write_secret(&n.token_file, &format!("{token}\n"))?;
+            // No trailing newline, like a Kubernetes projected token: a client
+            // that sends the file verbatim as a header value must work too.
+            write_secret(&n.token_file, &token)?;
             lines.push_str(&format!("{token} {}\n", n.name));
         }
         write_secret(&tokens, &lines)?;

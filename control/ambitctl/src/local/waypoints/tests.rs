@@ -92,6 +92,7 @@ fn state() -> State {
         name: "c".into(),
         state_dir: "/s".into(),
         config_dir: "/c".into(),
+        source_dir: None,
         bin_dir: "/b".into(),
         phase: Phase::Ready,
         started_at: 0,
