@@ -198,6 +198,13 @@ async fn run(args: Args) -> Result<()> {
     if let Some(f) = &args.ready_file {
         remove_ready(f).await;
     }
+    // The plugin binary first: a wrong --cni-bin-dir fails before anything
+    // is created or bound.
+    if !args.no_install {
+        let cfg = install_cfg.clone();
+        let bin = tokio::task::spawn_blocking(move || install::install_binary(&cfg)).await??;
+        info!(binary = %bin.display(), "ambit-cni plugin binary installed");
+    }
 
     let view = match &args.config_dir {
         Some(dir) => {
@@ -251,9 +258,6 @@ async fn run(args: Args) -> Result<()> {
     let (watcher, mut chained) = if args.no_install {
         (None, None)
     } else {
-        let cfg = install_cfg.clone();
-        let bin = tokio::task::spawn_blocking(move || install::install_binary(&cfg)).await??;
-        info!(binary = %bin.display(), "ambit-cni plugin binary installed");
         let (tx, rx) = watch::channel(None);
         let task = tokio::spawn(install::watch_and_reinsert_reporting(
             install_cfg.clone(),
