@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use ambit_cni::agent::install::{
     InsertOutcome, InstallConfig, InstallError, find_primary_conflist, insert, install_binary,
-    remove, watch_and_reinsert,
+    remove, watch_and_reinsert, watch_and_reinsert_reporting,
 };
 use serde_json::{Value, json};
 use tempfile::TempDir;
@@ -460,6 +460,81 @@ fn binary_install_is_atomic_idempotent_and_0755() {
     let err = install_binary(&missing).unwrap_err();
     assert!(matches!(err, InstallError::Source { .. }), "{err:?}");
     assert!(err.to_string().contains("nope"), "{err}");
+}
+
+#[test]
+fn a_missing_bin_dir_is_created_when_its_parent_exists() {
+    let mut node = Node::new();
+    // A node whose CNI is not installed yet: /opt/cni exists, bin does not.
+    node.cfg.cni_bin_dir = node.cfg.cni_bin_dir.with_file_name("bin-later");
+    let dst = install_binary(&node.cfg).unwrap();
+    assert_eq!(dst, node.cfg.cni_bin_dir.join("ambit-cni"));
+    let meta = fs::metadata(&node.cfg.cni_bin_dir).unwrap();
+    assert!(meta.is_dir());
+    assert_eq!(meta.permissions().mode() & 0o7777, 0o755);
+    assert_eq!(fs::read(&dst).unwrap(), b"\x7fELF plugin v1");
+    // Idempotent.
+    install_binary(&node.cfg).unwrap();
+}
+
+#[test]
+fn a_bin_dir_whose_parent_is_missing_too_is_an_error_naming_the_flag() {
+    let mut node = Node::new();
+    let root = node.cfg.cni_bin_dir.parent().unwrap().join("nowhere");
+    node.cfg.cni_bin_dir = root.join("bin");
+    let err = install_binary(&node.cfg).unwrap_err();
+    assert!(
+        matches!(&err, InstallError::BinDirMissing { dir, parent } if *dir == node.cfg.cni_bin_dir && *parent == root),
+        "{err:?}"
+    );
+    let msg = err.to_string();
+    for part in ["--cni-bin-dir", "--no-install", "/opt/cni/bin"] {
+        assert!(msg.contains(part), "{part} in {msg}");
+    }
+    assert!(!root.exists(), "nothing was created");
+
+    // A file where the directory should be.
+    let file = node.cfg.plugin_source.with_file_name("a-file");
+    fs::write(&file, "").unwrap();
+    node.cfg.cni_bin_dir = file;
+    let err = install_binary(&node.cfg).unwrap_err();
+    assert!(matches!(err, InstallError::Write { .. }), "{err:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_watch_reports_when_the_plugin_is_chained() {
+    let mut node = Node::new();
+    node.cfg.cni_conf_dir = node.cfg.cni_conf_dir.join("later");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (tx, mut chained) = tokio::sync::watch::channel(None);
+    let task = tokio::spawn(watch_and_reinsert_reporting(node.cfg.clone(), stopped, tx));
+    // Nothing to chain into: it keeps trying, and says so.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(*chained.borrow(), None);
+    assert!(!task.is_finished(), "the watch keeps running");
+
+    fs::create_dir(&node.cfg.cni_conf_dir).unwrap();
+    let path = node.write_conf("10-kindnet.conflist", REALISTIC);
+    let got = tokio::time::timeout(Duration::from_secs(5), chained.wait_for(Option::is_some))
+        .await
+        .expect("chained within 5 s")
+        .unwrap()
+        .clone();
+    assert_eq!(got, Some(path.clone()));
+    assert!(has_ours(&path));
+
+    // The config goes away: reported as not chained.
+    fs::remove_file(&path).unwrap();
+    tokio::time::timeout(Duration::from_secs(5), chained.wait_for(Option::is_none))
+        .await
+        .expect("reported within 5 s")
+        .unwrap();
+
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(2), task)
+        .await
+        .expect("the watch ends on shutdown")
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -55,7 +55,7 @@ mod watch;
 
 pub use binary::install_binary;
 pub use conflist::{find_primary_conflist, insert, remove};
-pub use watch::watch_and_reinsert;
+pub use watch::{Chained, watch_and_reinsert, watch_and_reinsert_reporting};
 
 /// The plugin's `type` in the conflist, and the installed binary's name.
 pub const PLUGIN_TYPE: &str = "ambit-cni";
@@ -128,6 +128,10 @@ pub enum InstallError {
         #[source]
         source: io::Error,
     },
+    #[error(
+        "the CNI bin dir {dir} does not exist, nor does {parent}; it must be the directory the container runtime execs CNI plugins from (containerd and CRI-O: /opt/cni/bin, where the node's primary CNI plugins are): install the primary CNI first, pass the runtime's directory with --cni-bin-dir (CNI_BIN_DIR), or run with --no-install to leave the node's CNI setup alone"
+    )]
+    BinDirMissing { dir: PathBuf, parent: PathBuf },
     #[error(
         "cannot read {path}: {source}; check that the directory is mounted into the agent and readable"
     )]

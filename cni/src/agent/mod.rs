@@ -18,8 +18,10 @@
 
 pub mod install;
 pub mod kube;
+pub mod logging;
 pub mod netns;
 mod pods;
+pub mod sockets;
 pub mod view;
 pub mod zds;
 
@@ -47,6 +49,8 @@ pub enum AgentError {
     },
     #[error(transparent)]
     Zds(#[from] zds::ZdsServerError),
+    #[error(transparent)]
+    SocketPath(#[from] sockets::SocketPathError),
     #[error("cannot use the state directory {path}: {source}")]
     State {
         path: PathBuf,
@@ -73,29 +77,49 @@ enum Event {
     Pods(oneshot::Sender<Vec<PodRecord>>),
 }
 
-/// A running agent.
+/// A running agent. Its socket files are removed when it is shut down or
+/// dropped.
 #[derive(Debug)]
 pub struct Agent {
     events: mpsc::Sender<Event>,
     task: tokio::task::JoinHandle<()>,
     cni_task: tokio::task::JoinHandle<()>,
+    /// The CNI and ZDS sockets' paths, removed on drop.
+    sockets: Vec<sockets::BoundPath>,
 }
 
 impl Agent {
     /// Loads the persisted pod table, binds both sockets and starts the
-    /// agent task, which follows `view`.
+    /// agent task, which follows `view`. A socket file another process
+    /// still serves is an error ([`sockets::SocketPathError::InUse`]); one
+    /// left by an agent that died is replaced.
     pub async fn start(
         cfg: AgentConfig,
         view: watch::Receiver<Arc<MeshView>>,
     ) -> Result<Self, AgentError> {
-        std::fs::create_dir_all(&cfg.state_dir).map_err(|source| AgentError::State {
+        let checked = cfg.clone();
+        tokio::task::spawn_blocking(move || -> Result<(), AgentError> {
+            std::fs::create_dir_all(&checked.state_dir).map_err(|source| AgentError::State {
+                path: checked.state_dir.clone(),
+                source,
+            })?;
+            // Both checked before either is bound: a refusal leaves nothing
+            // behind. The plugin's socket first: probing a live agent there
+            // costs it nothing (an empty request).
+            sockets::prepare(&checked.cni_socket)?;
+            sockets::prepare(&checked.zds_socket)?;
+            Ok(())
+        })
+        .await
+        .map_err(|e| AgentError::State {
             path: cfg.state_dir.clone(),
-            source,
-        })?;
+            source: std::io::Error::other(e.to_string()),
+        })??;
         let table = PodTable::load_async(&cfg.state_dir).await;
         let (zt_tx, zt_rx) = mpsc::channel(4);
-        zds::serve(&cfg.zds_socket, zt_tx)?;
+        let zds_path = zds::serve(&cfg.zds_socket, zt_tx)?;
         let listener = bind_unix(&cfg.cni_socket)?;
+        let sockets = vec![zds_path, sockets::BoundPath::new(&cfg.cni_socket)];
         let (events, rx) = mpsc::channel(64);
         let task = tokio::spawn(pods::run(
             table,
@@ -111,6 +135,7 @@ impl Agent {
             events,
             task,
             cni_task,
+            sockets,
         })
     }
 
@@ -131,10 +156,11 @@ impl Agent {
         }
     }
 
-    /// Stops the agent. Pods keep their redirection (a restarted agent
-    /// picks them up again).
+    /// Stops the agent and removes its socket files. Pods keep their
+    /// redirection (a restarted agent picks them up again).
     pub async fn shutdown(self) {
         self.cni_task.abort();
+        drop(self.sockets);
         drop(self.events);
         let _ = self.task.await;
     }
@@ -170,20 +196,12 @@ impl AgentClient {
     }
 }
 
+/// Binds the plugin's socket ([`sockets::prepare`] made the path free).
 fn bind_unix(path: &std::path::Path) -> Result<UnixListener, AgentError> {
-    let err = |source| AgentError::CniSocket {
+    UnixListener::bind(path).map_err(|source| AgentError::CniSocket {
         path: path.to_path_buf(),
         source,
-    };
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(err)?;
-    }
-    match std::fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(err(e)),
-    }
-    UnixListener::bind(path).map_err(err)
+    })
 }
 
 /// Largest request line the plugin may send.

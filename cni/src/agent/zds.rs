@@ -12,6 +12,8 @@ use ambit_inpod::{ZdsAgentConn, ZdsListener, ZdsMessage};
 use ambit_proto::workload::zds::WorkloadInfo;
 use tokio::sync::mpsc;
 
+use super::sockets::BoundPath;
+
 /// How long ztunnel has to answer one request.
 pub const ACK_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -117,23 +119,21 @@ impl ZtunnelConnection {
     }
 }
 
-/// Binds `path` (replacing a stale socket) and accepts ztunnels on a
-/// dedicated thread, sending each to `tx`. The thread ends when `tx`'s
-/// receiver is gone.
-pub fn serve(path: &Path, tx: mpsc::Sender<ZtunnelConnection>) -> Result<(), ZdsServerError> {
+/// Binds `path` (replacing a stale socket, refusing one another process
+/// serves) and accepts ztunnels on a dedicated thread, sending each to
+/// `tx`. The thread ends when `tx`'s receiver is gone. The returned guard
+/// removes the socket file when dropped.
+pub fn serve(
+    path: &Path,
+    tx: mpsc::Sender<ZtunnelConnection>,
+) -> Result<BoundPath, ZdsServerError> {
     let listen_err = |reason: String| ZdsServerError::Listen {
         path: path.to_path_buf(),
         reason,
     };
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| listen_err(e.to_string()))?;
-    }
-    match std::fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(listen_err(format!("removing the stale socket: {e}"))),
-    }
+    super::sockets::prepare(path).map_err(|e| listen_err(e.to_string()))?;
     let listener = ZdsListener::bind(path).map_err(|e| listen_err(e.to_string()))?;
+    let bound = BoundPath::new(path);
     let shown = path.display().to_string();
     std::thread::Builder::new()
         .name("ambit-zds-accept".into())
@@ -155,6 +155,11 @@ pub fn serve(path: &Path, tx: mpsc::Sender<ZtunnelConnection>) -> Result<(), Zds
                     }
                     // Timeouts are how the loop notices shutdown.
                     Err(e) if e.is_timeout() => {}
+                    // Connected and left without a hello: another node
+                    // agent checking whether this one still serves.
+                    Err(ambit_inpod::ZdsError::Closed { .. }) => {
+                        tracing::debug!(socket = %shown, "a client connected to the ZDS socket and left without a hello");
+                    }
                     Err(e) => {
                         tracing::warn!(socket = %shown, error = %e, "ZDS accept failed");
                         std::thread::sleep(Duration::from_millis(100));
@@ -163,5 +168,5 @@ pub fn serve(path: &Path, tx: mpsc::Sender<ZtunnelConnection>) -> Result<(), Zds
             }
         })
         .map_err(|e| listen_err(e.to_string()))?;
-    Ok(())
+    Ok(bound)
 }

@@ -1,11 +1,15 @@
 //! `ambit-node-agent`: one per node. Installs `ambit-cni` into the node's
 //! CNI configuration, programs enrolled pods' redirection, hands pods to
-//! the node's ztunnel over ZDS. Runs until SIGTERM or ctrl-c; pods keep
-//! their redirection when it stops (a restarted agent picks them up).
-//! `--uninstall` removes the plugin from the CNI configuration and every
-//! enrolled pod's redirection, and exits (with `--hold`, waits for SIGTERM).
+//! the node's ztunnel over ZDS. Runs until SIGTERM or ctrl-c, then removes
+//! its sockets and ready file; pods keep their redirection when it stops (a
+//! restarted agent picks them up). With no primary CNI config yet it keeps
+//! running and chains the plugin as soon as one appears (ready from then
+//! on). `--uninstall` removes the plugin from the CNI configuration and
+//! every enrolled pod's redirection, and exits (with `--hold`, waits for
+//! SIGTERM).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 
 use ambit_cni::agent::install::{self, InstallConfig};
 use ambit_cni::agent::kube::{adopt_running_pods, spawn_kube_view};
@@ -17,7 +21,8 @@ use ambit_cni::redirect::RedirectPorts;
 use anyhow::{Context, Result};
 use clap::Parser;
 use tokio::signal::unix::{SignalKind, signal};
-use tracing::info;
+use tokio::sync::watch;
+use tracing::{info, warn};
 
 /// Flags; each can also be set by the upper-case environment variable.
 #[derive(Debug, Parser)]
@@ -62,10 +67,13 @@ struct Args {
     /// Socket ztunnel connects to (ZDS).
     #[arg(long, env = "ZDS_SOCKET", default_value = ambit_inpod::DEFAULT_ZDS_PATH)]
     zds_socket: PathBuf,
-    /// Directory the container runtime execs CNI plugins from.
+    /// Directory the container runtime execs CNI plugins from (created,
+    /// mode 0755, when only its last component is missing).
     #[arg(long, env = "CNI_BIN_DIR", default_value = "/opt/cni/bin")]
     cni_bin_dir: PathBuf,
-    /// Directory of the node's CNI network configuration.
+    /// Directory of the node's CNI network configuration. ambit-cni is
+    /// chained at the end of its primary config; until the node's CNI has
+    /// written one the agent serves, waits and is not ready.
     #[arg(long, env = "CNI_CONF_DIR", default_value = "/etc/cni/net.d")]
     cni_conf_dir: PathBuf,
     /// The `ambit-cni` binary to install (default: next to this binary).
@@ -87,7 +95,8 @@ struct Args {
     #[arg(long, requires = "uninstall")]
     hold: bool,
     /// Written once the agent serves (view listed, sockets bound, plugin
-    /// installed) and removed when it stops: the DaemonSet's readiness.
+    /// chained into the primary CNI config, or at once with --no-install)
+    /// and removed when it stops: the DaemonSet's readiness.
     #[arg(long, env = "READY_FILE")]
     ready_file: Option<PathBuf>,
     /// Bound, in milliseconds, on installing, removing or checking one pod's
@@ -119,20 +128,53 @@ fn install_config(args: &Args) -> Result<InstallConfig> {
 }
 
 #[tokio::main]
-async fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+async fn main() -> ExitCode {
+    ambit_cni::agent::logging::init();
     let args = Args::parse();
+    match run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ambit-node-agent: error: {}", error_chain(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The error and those of its causes its message does not already carry.
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut out = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !out.contains(&c) {
+            out.push_str(": ");
+            out.push_str(&c);
+        }
+    }
+    out
+}
+
+async fn write_ready(f: &Path) -> Result<()> {
+    tokio::fs::write(f, "")
+        .await
+        .with_context(|| format!("writing the ready file {}", f.display()))
+}
+
+async fn remove_ready(f: &Path) {
+    match tokio::fs::remove_file(f).await {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => warn!(path = %f.display(), error = %e, "cannot remove the ready file"),
+    }
+}
+
+async fn run(args: Args) -> Result<()> {
     ambit_cni::redirect::set_operation_timeout(std::time::Duration::from_millis(
         args.command_timeout_ms,
     ));
     let install_cfg = install_config(&args)?;
     if args.uninstall {
-        let removed = install::remove(&install_cfg)?;
+        let cfg = install_cfg.clone();
+        let removed = tokio::task::spawn_blocking(move || install::remove(&cfg)).await??;
         info!(removed, "ambit-cni removed from the CNI configuration");
         // No pod may stay redirected to a ztunnel that is going away.
         let state_dir = args.state_dir.clone();
@@ -150,6 +192,18 @@ async fn main() -> Result<()> {
             }
         }
         return Ok(());
+    }
+    // A ready file left by a previous run that did not stop cleanly must
+    // not announce this one.
+    if let Some(f) = &args.ready_file {
+        remove_ready(f).await;
+    }
+    // The plugin binary first: a wrong --cni-bin-dir fails before anything
+    // is created or bound.
+    if !args.no_install {
+        let cfg = install_cfg.clone();
+        let bin = tokio::task::spawn_blocking(move || install::install_binary(&cfg)).await??;
+        info!(binary = %bin.display(), "ambit-cni plugin binary installed");
     }
 
     let view = match &args.config_dir {
@@ -174,6 +228,10 @@ async fn main() -> Result<()> {
             }
         }
     };
+    // From here on the agent holds files to clean up: take the signals
+    // before it binds anything.
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
     let adopt_view = args.config_dir.is_none().then(|| view.clone());
     let agent = Agent::start(
         AgentConfig {
@@ -197,31 +255,45 @@ async fn main() -> Result<()> {
     });
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let watcher = if args.no_install {
-        None
+    let (watcher, mut chained) = if args.no_install {
+        (None, None)
     } else {
-        let bin = install::install_binary(&install_cfg)?;
-        let outcome = install::insert(&install_cfg)?;
-        info!(binary = %bin.display(), conflist = %outcome.path().display(), "ambit-cni installed");
-        Some(tokio::spawn(install::watch_and_reinsert(
+        let (tx, rx) = watch::channel(None);
+        let task = tokio::spawn(install::watch_and_reinsert_reporting(
             install_cfg.clone(),
             async {
                 let _ = stop_rx.await;
             },
-        )))
+            tx,
+        ));
+        (Some(task), Some(rx))
     };
     info!(node = %args.node_name, "node agent running");
-    if let Some(f) = &args.ready_file {
-        std::fs::write(f, "").with_context(|| format!("writing the ready file {}", f.display()))?;
+    let mut ready = false;
+    if chained.is_none() {
+        if let Some(f) = &args.ready_file {
+            write_ready(f).await?;
+        }
+        ready = true;
     }
 
-    let mut sigterm = signal(SignalKind::terminate())?;
-    tokio::select! {
-        _ = sigterm.recv() => info!("SIGTERM received; stopping (pods keep their redirection)"),
-        _ = tokio::signal::ctrl_c() => info!("interrupt received; stopping (pods keep their redirection)"),
-    }
+    let stop = loop {
+        tokio::select! {
+            _ = sigterm.recv() => break "SIGTERM received",
+            _ = sigint.recv() => break "interrupt received",
+            r = wait_chained(&mut chained), if !ready => {
+                let conflist = r?;
+                if let Some(f) = &args.ready_file {
+                    write_ready(f).await?;
+                }
+                ready = true;
+                info!(conflist = %conflist.display(), "node agent ready: ambit-cni is chained into the primary CNI config");
+            }
+        }
+    };
+    info!("{stop}; stopping (pods keep their redirection)");
     if let Some(f) = &args.ready_file {
-        let _ = std::fs::remove_file(f);
+        remove_ready(f).await;
     }
     let _ = stop_tx.send(());
     if let Some(w) = watcher {
@@ -232,5 +304,19 @@ async fn main() -> Result<()> {
         let _ = a.await;
     }
     agent.shutdown().await;
+    info!(cni = %args.cni_socket.display(), zds = %args.zds_socket.display(), "node agent stopped; its sockets are removed");
     Ok(())
+}
+
+/// The config file our entry is chained into, once it is.
+async fn wait_chained(chained: &mut Option<watch::Receiver<Option<PathBuf>>>) -> Result<PathBuf> {
+    let rx = chained
+        .as_mut()
+        .context("no installer to wait for (--no-install)")?;
+    let path = rx
+        .wait_for(Option::is_some)
+        .await
+        .context("the CNI config watcher stopped unexpectedly")?
+        .clone();
+    path.context("the CNI config watcher reported no config")
 }

@@ -15,6 +15,9 @@
 //! | STATUS  | succeeds if the agent's socket accepts a connection, else code 50 | nothing |
 //! | GC      | nothing to collect (the agent reconciles) | nothing |
 //!
+//! Run without `CNI_COMMAND`, or with `--help` / `--version` at a terminal,
+//! it prints what it is and where its config goes ([`usage`]) and exits 0.
+//!
 //! Failures are the spec's error JSON on stdout
 //! (`{"cniVersion","code","msg","details"}`) with exit status 1: 1 for a
 //! missing or unsupported `cniVersion`; 2 for an unknown key in the `ambit`
@@ -63,6 +66,7 @@ pub mod config;
 pub mod error;
 #[cfg(test)]
 mod tests;
+pub mod usage;
 
 use std::collections::BTreeMap;
 use std::io::{IsTerminal, Read, Write};
@@ -160,7 +164,17 @@ fn append_line(path: &Path, line: &str) -> std::io::Result<()> {
 }
 
 /// The binary: read the environment and stdin, run, print, exit code.
+/// Run by a person (`--help`, `--version`, or no `CNI_COMMAND`), it prints
+/// the usage text instead ([`usage::for_person`]).
 pub fn main() -> i32 {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    if let Some(text) = usage::for_person(
+        &args,
+        std::env::var_os("CNI_COMMAND").is_some(),
+        std::io::stdout().is_terminal(),
+    ) {
+        return text.emit();
+    }
     let env = Env::from_process();
     let is_version = env.command.as_deref() == Some("VERSION");
     let mut stdin = Vec::new();
@@ -290,7 +304,8 @@ fn dispatch(
         )));
     }
     let command = match env.command.as_deref() {
-        None | Some("") => return Err(PluginError::InvalidEnv("CNI_COMMAND is not set".into())),
+        None => return Err(PluginError::InvalidEnv("CNI_COMMAND is not set".into())),
+        Some("") => return Err(PluginError::InvalidEnv("CNI_COMMAND is empty".into())),
         Some(c) => c,
     };
     if command == "VERSION" {

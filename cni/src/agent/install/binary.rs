@@ -2,7 +2,7 @@
 
 use std::fs::{self, File};
 use std::io::{self, Read};
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use tracing::{debug, info};
@@ -13,12 +13,68 @@ use super::{InstallConfig, InstallError};
 /// Mode of the installed plugin.
 const BINARY_MODE: u32 = 0o755;
 
+/// Mode of a bin dir we create (what CNI installers and packages use).
+const BIN_DIR_MODE: u32 = 0o755;
+
+/// Makes sure the bin dir exists. A missing one is created (mode 0755,
+/// whatever the umask) when its parent exists — `/opt/cni` without `bin`
+/// is a node whose CNI is not installed yet, and the plugin belongs there
+/// all the same; when the parent is missing too the path is more likely
+/// wrong (a typo, a host directory not mounted into the agent's container)
+/// and it is an error naming the flag. `Ok(true)` when it was created.
+pub(super) fn ensure_bin_dir(dir: &Path) -> Result<bool, InstallError> {
+    match fs::metadata(dir) {
+        Ok(m) if m.is_dir() => return Ok(false),
+        Ok(_) => {
+            return Err(InstallError::Write {
+                path: dir.to_path_buf(),
+                source: io::Error::new(io::ErrorKind::NotADirectory, "not a directory"),
+            });
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(source) => {
+            return Err(InstallError::Read {
+                path: dir.to_path_buf(),
+                source,
+            });
+        }
+    }
+    let parent = match dir.parent() {
+        Some(p) if p.as_os_str().is_empty() => Path::new("."),
+        Some(p) => p,
+        None => Path::new("/"),
+    };
+    if !parent.is_dir() {
+        return Err(InstallError::BinDirMissing {
+            dir: dir.to_path_buf(),
+            parent: parent.to_path_buf(),
+        });
+    }
+    let write_err = |source| InstallError::Write {
+        path: dir.to_path_buf(),
+        source,
+    };
+    match fs::DirBuilder::new().mode(BIN_DIR_MODE).create(dir) {
+        Ok(()) => {}
+        // Created by someone else meanwhile (the primary CNI's installer).
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists && dir.is_dir() => return Ok(false),
+        Err(e) => return Err(write_err(e)),
+    }
+    // The umask may have narrowed the mode; the runtime must read it.
+    fs::set_permissions(dir, fs::Permissions::from_mode(BIN_DIR_MODE)).map_err(write_err)?;
+    let _ = atomic::sync_dir(dir);
+    info!(dir = %dir.display(), "created the CNI bin dir (it did not exist)");
+    Ok(true)
+}
+
 /// Installs `cfg.plugin_source` as `cfg.cni_bin_dir/ambit-cni` (mode 0755)
 /// and returns that path. The copy is atomic (temp file in the bin dir,
 /// fsync, chmod, rename), so a runtime exec'ing the plugin meanwhile gets the
 /// old or the new binary, never a partial one, and a running old binary is
 /// not disturbed ("text file busy" cannot happen). When the installed file
-/// already has the same contents only its mode is fixed if needed.
+/// already has the same contents only its mode is fixed if needed. A
+/// missing bin dir is created when its parent exists
+/// ([`InstallError::BinDirMissing`] otherwise).
 pub fn install_binary(cfg: &InstallConfig) -> Result<PathBuf, InstallError> {
     let src = &cfg.plugin_source;
     let dst = cfg.installed_binary();
@@ -32,6 +88,7 @@ pub fn install_binary(cfg: &InstallConfig) -> Result<PathBuf, InstallError> {
             source: io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"),
         });
     }
+    ensure_bin_dir(&cfg.cni_bin_dir)?;
     atomic::sweep_stale_temps(&cfg.cni_bin_dir);
 
     match fs::metadata(&dst) {

@@ -2,13 +2,13 @@
 
 use std::future::Future;
 use std::os::unix::fs::MetadataExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use notify::event::{AccessKind, AccessMode};
 use notify::{Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::time::{Instant, sleep_until, timeout_at};
 use tracing::{debug, info, warn};
 
@@ -83,20 +83,29 @@ enum Trigger {
 #[derive(Default)]
 struct Reporter {
     last_error: Option<String>,
+    /// Whether an insert ever succeeded (before, nothing is "again").
+    chained_once: bool,
 }
 
 impl Reporter {
     fn ok(&mut self, outcome: &InsertOutcome, trigger: Trigger) {
-        if self.last_error.take().is_some() {
+        let first = !std::mem::replace(&mut self.chained_once, true);
+        if self.last_error.take().is_some() && !first {
             info!(path = %outcome.path().display(), "the CNI config is usable again");
         }
         let path = outcome.path().display();
         match (outcome, trigger) {
+            (InsertOutcome::Unchanged(_), _) if first => {
+                info!(%path, "ambit-cni is chained in the primary CNI config")
+            }
             (InsertOutcome::Unchanged(_), _) => {
                 debug!(%path, "ambit-cni is chained in the primary CNI config")
             }
             (InsertOutcome::Inserted(_), Trigger::Start) => {
                 info!(%path, "chained ambit-cni at the end of the primary CNI config")
+            }
+            (InsertOutcome::Inserted(_), _) if first => {
+                info!(%path, "the primary CNI config appeared; chained ambit-cni at its end")
             }
             (InsertOutcome::Inserted(_), _) => info!(
                 %path,
@@ -119,15 +128,36 @@ impl Reporter {
     }
 }
 
-async fn reconcile(cfg: &Arc<InstallConfig>, trigger: Trigger, report: &mut Reporter) {
+/// Where our entry is chained now: `Some(config file)` after an insert
+/// succeeded, `None` before the first and after one failed.
+pub type Chained = watch::Sender<Option<PathBuf>>;
+
+async fn reconcile(
+    cfg: &Arc<InstallConfig>,
+    trigger: Trigger,
+    report: &mut Reporter,
+    chained: &Chained,
+) {
     let c = Arc::clone(cfg);
-    match tokio::task::spawn_blocking(move || insert(&c)).await {
-        Ok(Ok(outcome)) => report.ok(&outcome, trigger),
-        Ok(Err(e)) => report.err(&e),
-        Err(e) => {
-            warn!(error = %e, "inserting ambit-cni into the CNI config failed unexpectedly; retrying when the conf dir changes")
+    let now = match tokio::task::spawn_blocking(move || insert(&c)).await {
+        Ok(Ok(outcome)) => {
+            report.ok(&outcome, trigger);
+            Some(outcome.path().to_path_buf())
         }
-    }
+        Ok(Err(e)) => {
+            report.err(&e);
+            None
+        }
+        Err(e) => {
+            warn!(error = %e, "inserting ambit-cni into the CNI config failed unexpectedly; retrying when the conf dir changes");
+            None
+        }
+    };
+    chained.send_if_modified(|c| {
+        let changed = *c != now;
+        *c = now;
+        changed
+    });
 }
 
 /// Keeps our entry chained in the primary config until `shutdown` resolves:
@@ -142,6 +172,18 @@ async fn reconcile(cfg: &Arc<InstallConfig>, trigger: Trigger, report: &mut Repo
 /// On uninstall, stop it (resolve `shutdown`, await it) before [`remove`](super::remove),
 /// or it chains the entry right back.
 pub async fn watch_and_reinsert<F: Future>(cfg: InstallConfig, shutdown: F) {
+    let (chained, _) = watch::channel(None);
+    watch_and_reinsert_reporting(cfg, shutdown, chained).await
+}
+
+/// [`watch_and_reinsert`], publishing on `chained` which config file holds
+/// our entry after each attempt (`None` while there is no primary config
+/// or it cannot be used): the node agent is ready once it is `Some`.
+pub async fn watch_and_reinsert_reporting<F: Future>(
+    cfg: InstallConfig,
+    shutdown: F,
+    chained: Chained,
+) {
     let cfg = Arc::new(cfg);
     let dir = cfg.cni_conf_dir.clone();
     let mut shutdown = std::pin::pin!(shutdown);
@@ -163,10 +205,14 @@ pub async fn watch_and_reinsert<F: Future>(cfg: InstallConfig, shutdown: F) {
             match start_watch(&dir, tx.clone()) {
                 Ok(w) => {
                     if watch_error_logged {
-                        info!(dir = %dir.display(), "watching the CNI conf dir again");
+                        info!(dir = %dir.display(), "watching the CNI conf dir");
                     }
                     watch_error_logged = false;
                     watch = Some(w);
+                }
+                Err(_) if !watch_error_logged && !dir.exists() => {
+                    info!(dir = %dir.display(), "the CNI conf dir does not exist yet; checking for it every second");
+                    watch_error_logged = true;
                 }
                 Err(e) if !watch_error_logged => {
                     warn!(dir = %dir.display(), error = %e, "cannot watch the CNI conf dir; polling it every second instead (if inotify limits are exhausted, raise fs.inotify.max_user_instances / max_user_watches)");
@@ -176,7 +222,7 @@ pub async fn watch_and_reinsert<F: Future>(cfg: InstallConfig, shutdown: F) {
             }
         }
 
-        reconcile(&cfg, trigger, &mut report).await;
+        reconcile(&cfg, trigger, &mut report, &chained).await;
 
         let next_check = Instant::now()
             + if watch.is_some() {
