@@ -127,31 +127,38 @@ fn connections(conns: &[Connection]) -> String {
                 Some(svc) => format!("{svc} {}", c.dst_addr),
                 None => c.dst_addr.clone(),
             };
-            match (&c.delivered_to, c.dst_workload.is_empty()) {
+            // The peer of a waypoint-bound connection is the waypoint: say
+            // so once, after the destination.
+            let via = c
+                .waypoint
+                .as_ref()
+                .filter(|w| !c.src_workload.ends_with(&format!("/{}", pod_of(w))));
+            let dst_workload = if via.is_some() { "" } else { &c.dst_workload };
+            match (&c.delivered_to, dst_workload.is_empty()) {
                 (Some(to), false) => {
-                    let _ = write!(server, " → {} {to}", c.dst_workload);
+                    let _ = write!(server, " → {dst_workload} {to}");
                 }
                 (Some(to), true) => {
                     let _ = write!(server, " → {to}");
                 }
-                (None, false) => server = endpoint(&c.dst_workload, &server),
+                (None, false) => server = endpoint(dst_workload, &server),
                 (None, true) => {}
             }
-            if let Some(w) = &c.waypoint {
+            if let Some(w) = via {
                 let _ = write!(server, " via waypoint {w}");
             }
             let client = report_of(c, "outbound");
+            let ms = c.reported_by.first().map_or(0, |r| r.duration_ms);
             let outcome = if c.open {
-                "open".to_string()
+                format!("open {}", since(ms))
             } else if c.response_flags == "-" {
-                let ms = c.reported_by.first().map_or(0, |r| r.duration_ms);
                 let moved = client.or(c.reported_by.first()).map_or(0, |r| {
                     r.bytes_sent.unwrap_or(0) + r.bytes_received.unwrap_or(0)
                 });
                 format!("ok, {}, {ms} ms", bytes(moved))
             } else {
                 match &c.error {
-                    Some(e) => format!("{} ({e})", c.response_flags),
+                    Some(e) => format!("{} ({})", c.response_flags, shorten(e, 72)),
                     None => c.response_flags.clone(),
                 }
             };
@@ -159,8 +166,8 @@ fn connections(conns: &[Connection]) -> String {
                 .reported_by
                 .iter()
                 .map(|r| match r.hbone_peer {
-                    Some(t) => format!("{} {} (HBONE from {t})", r.node, r.direction),
-                    None => format!("{} {}", r.node, r.direction),
+                    Some(t) => format!("{} {} #{} (HBONE from {t})", r.node, r.direction, r.id),
+                    None => format!("{} {} #{}", r.node, r.direction, r.id),
                 })
                 .collect();
             vec![
@@ -184,6 +191,30 @@ fn connections(conns: &[Connection]) -> String {
         ],
         &rows,
     )
+}
+
+/// The pod of a `namespace/pod` name.
+fn pod_of(name: &str) -> &str {
+    name.rsplit_once('/').map_or(name, |(_, p)| p)
+}
+
+/// A duration so far: `850 ms`, `12.3 s`, `4 min`.
+fn since(ms: u64) -> String {
+    match ms {
+        0..1_000 => format!("{ms} ms"),
+        1_000..120_000 => format!("{:.1} s", ms as f64 / 1e3),
+        _ => format!("{} min", ms / 60_000),
+    }
+}
+
+/// `text` cut to `max` characters with `…` (the JSON output has it whole).
+fn shorten(text: &str, max: usize) -> String {
+    if text.chars().count() <= max {
+        return text.to_string();
+    }
+    let mut out: String = text.chars().take(max.saturating_sub(1)).collect();
+    out.push('…');
+    out
 }
 
 fn report_of<'c>(c: &'c Connection, direction: &str) -> Option<&'c Report> {
@@ -443,9 +474,21 @@ pub fn status(s: &Status) -> String {
     } else {
         out.push_str(
             "Connections apps made (each ztunnel's /connections; CLIENT is the app's own socket, \
-             one row per connection even when many share one HBONE tunnel):\n",
+             one row per connection even when many share one HBONE tunnel; `-o json` has every \
+             field):\n",
         );
         out.push_str(&connections(&s.connections));
+        let portless = s
+            .connections
+            .iter()
+            .any(|c| c.reported_by.iter().all(|r| r.hbone_peer.is_some()));
+        if portless {
+            out.push_str(
+                "A CLIENT without a port was seen only by the server's ztunnel, over HBONE, which \
+                 does not carry the client's port; #N is the connection's id in that ztunnel's \
+                 /connections.\n",
+            );
+        }
     }
     let _ = writeln!(out, "\nLogs: {}", s.log_dir.display());
     out

@@ -90,6 +90,8 @@ pub struct ZtConnections {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Report {
     pub node: String,
+    /// Its id in that ztunnel's `/connections`.
+    pub id: u64,
     /// `outbound` (the client's ztunnel) or `inbound` (the server's).
     pub direction: String,
     pub open: bool,
@@ -152,6 +154,7 @@ impl Connection {
 fn report(node: &str, r: &ZtRecord) -> Report {
     Report {
         node: node.to_string(),
+        id: r.id,
         direction: r.direction.clone(),
         open: r.state == "open",
         response_flags: r.response_flags.clone(),

@@ -134,7 +134,7 @@ fn two_app_connections_over_one_tunnel_are_two_rows_with_the_apps_ports() {
     for want in [
         "mesh/client 10.20.1.10:40001",
         "mesh/client 10.20.1.10:40002",
-        "node-b inbound (HBONE from 10.20.1.10:51515)",
+        "node-b inbound #7 (HBONE from 10.20.1.10:51515)",
         "plain/outsider 10.20.1.20:41000",
         "DENY (denied by STRICT)",
         "ok, 150 B, 3 ms",
@@ -143,6 +143,11 @@ fn two_app_connections_over_one_tunnel_are_two_rows_with_the_apps_ports() {
     }
     // One row each, not one per tunnel, nor duplicated per ztunnel.
     assert_eq!(text.matches(":40001").count(), 1, "{text}");
+    assert!(
+        text.contains("node-a outbound #1, node-b inbound #7"),
+        "{text}"
+    );
+    assert!(text.contains("A CLIENT without a port"), "{text}");
     assert_eq!(text.matches("10.20.1.10:51515").count(), 3, "{text}");
 }
 
@@ -176,6 +181,47 @@ fn a_failure_on_the_server_side_shows_on_the_row() {
         text.contains(
             "server.mesh.svc.cluster.local 10.96.0.10:80 → mesh/server-1 10.20.2.11:8080"
         ),
+        "{text}"
+    );
+}
+
+#[test]
+fn waypoint_hops_name_the_waypoint_once_and_long_errors_are_cut() {
+    let wp = "mesh/waypoint-0";
+    let mut to_waypoint = outbound(1, 40001, "t1", 1000);
+    to_waypoint.dst = ep(
+        "10.96.0.20",
+        Some(80),
+        "mesh",
+        "waypoint-0",
+        Some(SERVER_ID),
+    );
+    to_waypoint.dst_service = Some("llm.mesh.svc.cluster.local".into());
+    to_waypoint.waypoint = Some(wp.into());
+    let mut from_waypoint = inbound(2, Some("envoy's own"), 1001);
+    from_waypoint.src = ep("10.20.1.200", None, "mesh", "waypoint-0", None);
+    from_waypoint.dst = ep("10.20.2.20", Some(8000), "mesh", "llm-v1-0", None);
+    from_waypoint.waypoint = Some(wp.into());
+    from_waypoint.state = "open".into();
+    from_waypoint.duration_ms = 12_345;
+    let mut failed = outbound(3, 40003, "t3", 1002);
+    failed.response_flags = "DC".into();
+    failed.error = Some("x".repeat(200));
+    let rows = merge(&[
+        node("node-a", vec![to_waypoint, failed], vec![]),
+        node("node-b", vec![], vec![from_waypoint]),
+    ]);
+    let text = crate::local::render::status(&status_with(vec![], rows));
+    assert!(
+        text.contains("llm.mesh.svc.cluster.local 10.96.0.20:80 via waypoint mesh/waypoint-0"),
+        "{text}"
+    );
+    assert!(!text.contains("mesh/waypoint-0 llm.mesh"), "{text}");
+    assert!(text.contains("mesh/llm-v1-0 10.20.2.20:8000  "), "{text}");
+    assert!(text.contains("open 12.3 s"), "{text}");
+    assert_eq!(text.matches("via waypoint").count(), 1, "{text}");
+    assert!(
+        text.contains(&format!("DC ({}…)", "x".repeat(71))),
         "{text}"
     );
 }
