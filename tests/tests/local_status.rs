@@ -110,7 +110,8 @@ fn status_follows_a_namespace_relabelled_to_none_and_back() {
         &format!("http://{SERVER}/"),
         "--once",
     ];
-    let ns_file = config.path().join("namespaces.yaml");
+    // The directory the mesh serves (a working copy when `up` made one).
+    let ns_file = c.config_dir().join("namespaces.yaml");
     // Every MESH verdict seen while polling.
     let mut seen: BTreeSet<String> = BTreeSet::new();
     fn note(seen: &mut BTreeSet<String>, s: &Status) {
