@@ -117,8 +117,8 @@ fn demo_platform_is_mtls_across_nodes_and_refuses_legacy_plaintext() {
             let s = c.status();
             let cross = s.connections.iter().any(|x| {
                 x.mtls
-                    && x.direction == "inbound"
-                    && x.node == "node-2"
+                    && x.report("node-1", "outbound").is_some()
+                    && x.report("node-2", "inbound").is_some()
                     && x.src_addr.starts_with("10.10.1.")
             });
             let denied = s.connections.iter().any(|x| {

@@ -1,11 +1,15 @@
-//! The node-local HTTP servers: admin (`/config_dump`, `/logging`,
-//! `/quitquitquit`), stats (`/metrics`) and readiness (`/healthz/ready`).
+//! The node-local HTTP servers: admin (`/config_dump`, `/connections`,
+//! `/logging`, `/quitquitquit`), stats (`/metrics`) and readiness
+//! (`/healthz/ready`). Each answers `/` with the list of its endpoints
+//! (`index.rs`).
 //!
 //! hyper 1 HTTP/1.1 with a `match` on method and path; no framework.
-//! Unknown paths get 404, known paths with the wrong method 405. Serving
-//! (`server.rs`) bounds connections, request heads and idle time.
+//! Unknown paths get 404 pointing to `/`, known paths with the wrong method
+//! 405. Serving (`server.rs`) bounds connections, request heads and idle
+//! time.
 
 mod config_dump;
+mod index;
 mod server;
 
 #[cfg(test)]
@@ -148,6 +152,15 @@ impl Listener {
             Listener::Readiness => "readiness",
         }
     }
+
+    /// Where it listens by default, and the flag that moves it.
+    pub(crate) fn default_port_hint(self) -> &'static str {
+        match self {
+            Listener::Admin => "default 127.0.0.1:15000, --admin-addr",
+            Listener::Stats => "default :15020, --stats-addr",
+            Listener::Readiness => "default :15021, --readiness-addr",
+        }
+    }
 }
 
 /// What the handlers read and signal.
@@ -235,6 +248,14 @@ pub(crate) fn route(
     query: Option<&str>,
 ) -> Response<Body> {
     match (listener, path) {
+        (_, "/") => match *method {
+            Method::GET => text(StatusCode::OK, index::render(listener)),
+            _ => not_allowed("GET"),
+        },
+        (Listener::Admin, "/connections") => match *method {
+            Method::GET => json(&ctx.metrics.tcp.connections.dump(), "connections"),
+            _ => not_allowed("GET"),
+        },
         (Listener::Admin, "/config_dump") => match *method {
             Method::GET => {
                 let snap = ctx.state.load();
@@ -243,16 +264,7 @@ pub(crate) fn route(
                     .as_ref()
                     .map(|c| CertificateDump::list(&c.view()))
                     .unwrap_or_default();
-                match serde_json::to_vec_pretty(&config_dump(&snap, certs)) {
-                    Ok(json) => with_type(
-                        Response::new(Full::new(Bytes::from(json))),
-                        "application/json",
-                    ),
-                    Err(e) => text(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        format!("could not serialize the config dump: {e}\n"),
-                    ),
-                }
+                json(&config_dump(&snap, certs), "config dump")
             }
             _ => not_allowed("GET"),
         },
@@ -301,7 +313,24 @@ pub(crate) fn route(
         },
         _ => text(
             StatusCode::NOT_FOUND,
-            format!("no such path {path} on the {} listener\n", listener.name()),
+            format!(
+                "no such path {path} on the {} listener; GET / lists its endpoints\n",
+                listener.name()
+            ),
+        ),
+    }
+}
+
+/// `value` as pretty JSON, or a 500 naming `what`.
+fn json(value: &impl serde::Serialize, what: &str) -> Response<Body> {
+    match serde_json::to_vec_pretty(value) {
+        Ok(json) => with_type(
+            Response::new(Full::new(Bytes::from(json))),
+            "application/json",
+        ),
+        Err(e) => text(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("could not serialize the {what}: {e}\n"),
         ),
     }
 }

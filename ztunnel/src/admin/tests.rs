@@ -187,6 +187,11 @@ async fn unknown_paths_and_wrong_methods() {
     let (ctx, _quit) = context(true);
     let r = route(Listener::Admin, &ctx, &Method::GET, "/nope", None);
     assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    let text = body(r).await;
+    assert!(
+        text.contains("/nope") && text.contains("GET / lists"),
+        "{text}"
+    );
     let r = route(Listener::Admin, &ctx, &Method::POST, "/config_dump", None);
     assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
     assert_eq!(r.headers()[ALLOW], "GET");
@@ -326,4 +331,93 @@ fn percent_decoding() {
         Some("warn")
     );
     assert_eq!(query_param(Some("x=1"), "level"), None);
+}
+
+#[tokio::test]
+async fn each_listener_lists_its_endpoints_at_root_and_each_listed_one_is_served() {
+    let (ctx, _quit) = context(true);
+    for listener in [Listener::Admin, Listener::Stats, Listener::Readiness] {
+        let r = route(listener, &ctx, &Method::GET, "/", None);
+        assert_eq!(r.status(), StatusCode::OK);
+        let text = body(r).await;
+        for e in index::endpoints(listener) {
+            assert!(text.contains(e.path) && text.contains(e.what), "{text}");
+            // Listed means routed: never a 404 (the first listed method
+            // is a safe one for every endpoint but /quitquitquit).
+            if e.path == "/quitquitquit" {
+                let r = route(listener, &ctx, &Method::GET, e.path, None);
+                assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
+                continue;
+            }
+            let r = route(listener, &ctx, &Method::GET, e.path, None);
+            assert_ne!(r.status(), StatusCode::NOT_FOUND, "{}", e.path);
+        }
+        // The index names the other listeners' endpoints too.
+        let others = ["/config_dump", "/metrics", "/healthz/ready"];
+        assert!(others.iter().all(|p| text.contains(p)), "{text}");
+        let r = route(listener, &ctx, &Method::POST, "/", None);
+        assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
+    }
+    let admin = body(route(Listener::Admin, &ctx, &Method::GET, "/", None)).await;
+    assert!(
+        admin.contains("/connections") && admin.contains("/logging"),
+        "{admin}"
+    );
+}
+
+#[tokio::test]
+async fn connections_are_served_as_json() {
+    use crate::proxy::metrics::{
+        ConnectionOpen, ConnectionResult, PeerInfo, Reporter, SecurityPolicy,
+    };
+    let (ctx, _quit) = context(true);
+    let open = |port: u16| ConnectionOpen {
+        reporter: Reporter::Source,
+        src: format!("10.0.0.1:{port}").parse().unwrap(),
+        dst: "10.0.0.7:8080".parse().unwrap(),
+        source: PeerInfo {
+            name: "client-0".into(),
+            namespace: "default".into(),
+            principal: "spiffe://cluster.local/ns/default/sa/client".into(),
+            ..PeerInfo::default()
+        },
+        destination: PeerInfo {
+            name: "web-1".into(),
+            namespace: "default".into(),
+            ..PeerInfo::default()
+        },
+        destination_service: None,
+        security: SecurityPolicy::MutualTls,
+        upstream: Some("10.0.0.7:15008".parse().unwrap()),
+        waypoint: None,
+        trace_id: Some(42),
+        hbone_peer: None,
+    };
+    let done = ConnectionResult::new(open(40001), &ctx.metrics.tcp);
+    done.record_sent(10);
+    done.finish();
+    let _live = ConnectionResult::new(open(40002), &ctx.metrics.tcp);
+    let r = route(Listener::Admin, &ctx, &Method::GET, "/connections", None);
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(r.headers()[CONTENT_TYPE], "application/json");
+    let v: Value = serde_json::from_str(&body(r).await).unwrap();
+    assert_eq!(v["closed_total"], 1);
+    assert_eq!(v["open"][0]["src"]["port"], 40002);
+    assert_eq!(v["open"][0]["state"], "open");
+    let c = &v["recent"][0];
+    assert_eq!(c["src"]["port"], 40001);
+    assert_eq!(c["src"]["workload"], "client-0");
+    assert_eq!(
+        c["src"]["identity"],
+        "spiffe://cluster.local/ns/default/sa/client"
+    );
+    assert_eq!(c["dst"]["ip"], "10.0.0.7");
+    assert_eq!(c["upstream"], "10.0.0.7:15008");
+    assert_eq!(c["bytes_sent"], 10);
+    assert_eq!(c["trace_id"], "0000000000000000000000000000002a");
+    assert_eq!(c["response_flags"], "-");
+    let r = route(Listener::Admin, &ctx, &Method::POST, "/connections", None);
+    assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
+    let r = route(Listener::Stats, &ctx, &Method::GET, "/connections", None);
+    assert_eq!(r.status(), StatusCode::NOT_FOUND);
 }

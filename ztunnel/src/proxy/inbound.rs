@@ -28,6 +28,7 @@ use tracing::Instrument;
 
 use super::connection::{accept_loop, copy_until_drained, finish, original_dst};
 use super::metrics::{ConnectionOpen, ConnectionResult, Reporter, SecurityPolicy};
+use super::recent::trace_id_of;
 use super::resolve::is_waypoint_of;
 use super::{PodContext, ProxyContext, ProxyError, peer_info, workload_identity};
 use crate::drain::DRAIN_DEADLINE;
@@ -106,7 +107,31 @@ fn is_own_port(ctx: &ProxyContext, port: u16) -> bool {
         || NODE_PORTS.contains(&port)
 }
 
-/// What the metrics know of an inbound connection.
+/// What an inbound HBONE stream says about its connection: the peer's
+/// identity, the trace id of its `traceparent`, and the pooled
+/// connection's client address.
+struct HbonePeer<'a> {
+    identity: &'a Identity,
+    trace_id: Option<u128>,
+    addr: SocketAddr,
+}
+
+impl<'a> HbonePeer<'a> {
+    fn of(req: &'a ConnectRequest) -> Self {
+        Self {
+            identity: &req.peer_identity,
+            trace_id: req
+                .headers
+                .get("traceparent")
+                .and_then(|v| v.to_str().ok())
+                .and_then(trace_id_of),
+            addr: req.peer_addr,
+        }
+    }
+}
+
+/// What the metrics know of an inbound connection (`hbone`: how it came,
+/// `None` for plaintext).
 fn inbound_open(
     ctx: &ProxyContext,
     pod: &PodContext,
@@ -114,8 +139,9 @@ fn inbound_open(
     src: SocketAddr,
     dst: SocketAddr,
     dst_w: Option<&Workload>,
-    peer: Option<&Identity>,
+    hbone: Option<&HbonePeer<'_>>,
 ) -> ConnectionOpen {
+    let peer = hbone.map(|h| h.identity);
     let src_w = snap.workload_by_ip(&ctx.network, src.ip().to_canonical());
     let dst_id = dst_w
         .map(workload_identity)
@@ -142,6 +168,8 @@ fn inbound_open(
         },
         upstream: None,
         waypoint,
+        trace_id: hbone.and_then(|h| h.trace_id),
+        hbone_peer: hbone.map(|h| h.addr),
     }
 }
 
@@ -158,7 +186,7 @@ fn authorize(ctx: &ProxyContext, pod: &PodContext, req: &ConnectRequest) -> Resu
             req.peer_addr,
             dst,
             w,
-            Some(&req.peer_identity),
+            Some(&HbonePeer::of(req)),
         );
         finish(ConnectionResult::new(open, &ctx.metrics), Err(e));
         Err(status)
@@ -209,7 +237,7 @@ async fn hbone_stream(
         req.peer_addr,
         dst,
         dst_w.as_deref(),
-        Some(&req.peer_identity),
+        Some(&HbonePeer::of(&req)),
     );
     drop(snap);
     let result = ConnectionResult::new(open, &ctx.metrics);

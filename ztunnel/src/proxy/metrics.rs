@@ -27,6 +27,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 
+use super::recent::{ConnectionRecord, ConnectionState, ConnectionTable, Endpoint, Outcome};
+
 /// Label value for a peer field nobody knows (Istio's convention).
 pub const UNKNOWN: &str = "unknown";
 
@@ -186,6 +188,13 @@ pub struct ConnectionOpen {
     pub upstream: Option<SocketAddr>,
     /// The waypoint the connection went through (`namespace/pod`), if any.
     pub waypoint: Option<String>,
+    /// The trace id of the HBONE `CONNECT`'s `traceparent` (sent outbound,
+    /// received inbound), pairing the two ends' records of one connection.
+    pub trace_id: Option<u128>,
+    /// Inbound HBONE: the client end of the pooled HBONE connection the
+    /// stream came on (then `src` is that address too: HBONE does not carry
+    /// the application's source port).
+    pub hbone_peer: Option<SocketAddr>,
 }
 
 fn or_unknown(s: &str) -> String {
@@ -294,8 +303,9 @@ pub struct DenialLabels {
     pub connection_security_policy: SecurityPolicy,
 }
 
-/// The four Istio TCP metric families, and the denials by policy.
-/// Cloning shares the families.
+/// The four Istio TCP metric families, the denials by policy, and the table
+/// of open and recent connections (admin `/connections`). Cloning shares
+/// them.
 #[derive(Clone, Debug, Default)]
 pub struct TcpMetrics {
     /// `istio_tcp_connections_opened_total`.
@@ -309,6 +319,9 @@ pub struct TcpMetrics {
     /// `ambit_authorization_denials_total`: connections refused or closed by
     /// authorization policy (PeerAuthentication STRICT included).
     pub denials: Family<DenialLabels, Counter>,
+    /// Open connections and the last closed ones, one record each
+    /// (`super::recent`).
+    pub connections: ConnectionTable,
 }
 
 impl TcpMetrics {
@@ -359,6 +372,8 @@ pub struct ConnectionResult {
     sent: AtomicU64,
     received: AtomicU64,
     recorded: bool,
+    /// Its id in `metrics.connections`.
+    table_id: u64,
 }
 
 impl ConnectionResult {
@@ -368,6 +383,7 @@ impl ConnectionResult {
     pub fn new(open: ConnectionOpen, metrics: &TcpMetrics) -> Self {
         let labels = TcpLabels::new(&open);
         metrics.opened.get_or_create(&labels).inc();
+        let table_id = metrics.connections.open(table_record(&open));
         let span = tracing::info_span!(
             "connection",
             src = %open.src,
@@ -396,6 +412,7 @@ impl ConnectionResult {
             sent: AtomicU64::new(0),
             received: AtomicU64::new(0),
             recorded: false,
+            table_id,
         }
     }
 
@@ -484,6 +501,15 @@ impl ConnectionResult {
             ("-", "-")
         };
         let duration_ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.metrics.connections.close(
+            self.table_id,
+            Outcome {
+                response_flags: flags.as_str(),
+                error: error.clone(),
+                bytes_sent: sent,
+                bytes_received: received,
+            },
+        );
         let upstream = self
             .upstream
             .map_or_else(|| "-".to_string(), |a| a.to_string());
@@ -510,6 +536,44 @@ impl ConnectionResult {
             error = error.as_deref().unwrap_or("-"),
             "connection complete"
         );
+    }
+}
+
+/// The connection table's record of a connection just accepted.
+fn table_record(open: &ConnectionOpen) -> ConnectionRecord {
+    let mtls = open.security == SecurityPolicy::MutualTls;
+    let known = |s: &str| (!s.is_empty()).then(|| s.to_string());
+    let endpoint = |addr: SocketAddr, p: &PeerInfo| Endpoint {
+        workload: known(&p.name),
+        namespace: known(&p.namespace),
+        identity: if mtls { known(&p.principal) } else { None },
+        ..Endpoint::at(addr)
+    };
+    let mut src = endpoint(open.src, &open.source);
+    if open.hbone_peer.is_some() {
+        src.port = None;
+    }
+    ConnectionRecord {
+        id: 0,
+        direction: open.reporter.direction(),
+        state: ConnectionState::Open,
+        src,
+        dst: endpoint(open.dst, &open.destination),
+        dst_service: open
+            .destination_service
+            .as_ref()
+            .and_then(|s| known(&s.hostname)),
+        security: open.security.as_str(),
+        upstream: open.upstream,
+        hbone_peer: open.hbone_peer,
+        waypoint: open.waypoint.clone(),
+        trace_id: open.trace_id.map(super::recent::format_trace_id),
+        start_unix_ms: 0,
+        duration_ms: 0,
+        bytes_sent: None,
+        bytes_received: None,
+        response_flags: ResponseFlags::None.as_str(),
+        error: None,
     }
 }
 

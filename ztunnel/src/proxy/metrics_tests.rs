@@ -38,6 +38,8 @@ fn open(security: SecurityPolicy) -> ConnectionOpen {
         security,
         upstream: None,
         waypoint: None,
+        trace_id: None,
+        hbone_peer: None,
     }
 }
 
@@ -222,4 +224,76 @@ fn plaintext_logs_no_identities_and_unknown_labels() {
     assert_contains(&logs, "src.workload=unknown");
     assert_contains(&logs, "upstream=-");
     assert_contains(&logs, "waypoint=\"-\"");
+}
+
+#[test]
+fn each_connection_is_one_record_open_then_closed() {
+    let m = Metrics::new();
+    let mut o = open(SecurityPolicy::MutualTls);
+    o.upstream = Some("10.0.2.9:15008".parse().unwrap());
+    o.trace_id = Some(0xabc);
+    let conn = ConnectionResult::new(o, &m.tcp);
+    let d = m.tcp.connections.dump();
+    assert_eq!((d.open.len(), d.recent.len()), (1, 0));
+    let r = &d.open[0];
+    assert_eq!(r.direction, "outbound");
+    assert_eq!(r.src.port, Some(40000), "the app's own port");
+    assert_eq!(r.src.workload.as_deref(), Some("client-7d4f"));
+    assert_eq!(
+        r.dst_service.as_deref(),
+        Some("echo.apps.svc.cluster.local")
+    );
+    assert_eq!(
+        r.dst.identity.as_deref(),
+        Some("spiffe://cluster.local/ns/apps/sa/echo")
+    );
+    assert_eq!(
+        r.trace_id.as_deref(),
+        Some("00000000000000000000000000000abc")
+    );
+    assert_eq!(r.bytes_sent, None, "bytes are counted at close");
+    conn.record_sent(7);
+    conn.record_received(9);
+    conn.fail(ResponseFlags::DownstreamTerminated, &"reset by peer");
+    let d = m.tcp.connections.dump();
+    assert_eq!((d.open.len(), d.recent.len(), d.closed_total), (0, 1, 1));
+    let r = &d.recent[0];
+    assert_eq!(r.state, crate::proxy::recent::ConnectionState::Closed);
+    assert_eq!((r.bytes_sent, r.bytes_received), (Some(7), Some(9)));
+    assert_eq!(r.response_flags, "DC");
+    assert_eq!(r.error.as_deref(), Some("reset by peer"));
+}
+
+#[test]
+fn an_inbound_hbone_record_has_no_source_port_and_names_its_tunnel() {
+    let m = Metrics::new();
+    let mut o = open(SecurityPolicy::MutualTls);
+    o.reporter = Reporter::Destination;
+    o.src = "10.0.0.1:51000".parse().unwrap();
+    o.hbone_peer = Some(o.src);
+    o.trace_id = Some(7);
+    ConnectionResult::new(o, &m.tcp).finish();
+    let d = m.tcp.connections.dump();
+    let r = &d.recent[0];
+    assert_eq!(r.direction, "inbound");
+    assert_eq!(r.src.port, None);
+    assert_eq!(r.hbone_peer, Some("10.0.0.1:51000".parse().unwrap()));
+    let json = serde_json::to_value(r).unwrap();
+    assert_eq!(json["src"]["ip"], "10.0.0.1");
+    assert!(json["src"].get("port").is_none(), "{json}");
+    assert_eq!(json["hbone_peer"], "10.0.0.1:51000");
+    assert_eq!(json["state"], "closed");
+    assert_eq!(json["security"], "mutual_tls");
+
+    // Plaintext: no identities, whatever the peers are.
+    let mut o = open(SecurityPolicy::None);
+    o.reporter = Reporter::Destination;
+    ConnectionResult::new(o, &m.tcp).finish();
+    let d = m.tcp.connections.dump();
+    let r = &d.recent[1];
+    assert_eq!(
+        (r.src.identity.as_ref(), r.dst.identity.as_ref()),
+        (None, None)
+    );
+    assert_eq!(r.src.port, Some(40000));
 }

@@ -19,7 +19,9 @@
 //!   what both share — the accept loop, the drain-aware copy, the original
 //!   destination, recording the outcome — is in `connection.rs`.
 //! * Every connection is one task with one [`metrics::ConnectionResult`]
-//!   (metrics + one access-log line) and ends within
+//!   (metrics, one access-log line and one record in the
+//!   [`recent::ConnectionTable`] the admin's `/connections` serves) and
+//!   ends within
 //!   [`DRAIN_DEADLINE`] once its pod or the whole ztunnel drains.
 
 mod connection;
@@ -28,6 +30,7 @@ pub mod live;
 pub mod metrics;
 pub mod outbound;
 mod pod;
+pub mod recent;
 mod resolve;
 pub mod tls_cache;
 

@@ -124,6 +124,9 @@ async fn handle(
         ),
     };
     let dst_id = peer_w.as_deref().filter(|_| mtls).map(workload_identity);
+    // The CONNECT's trace id: the peer's inbound record carries it too.
+    let trace_id = matches!(resolved, Resolved::Hbone { .. } | Resolved::Waypoint { .. })
+        .then(|| rand::random::<u128>().max(1));
     let open = ConnectionOpen {
         reporter: Reporter::Source,
         src,
@@ -138,6 +141,8 @@ async fn handle(
         },
         upstream,
         waypoint,
+        trace_id,
+        hbone_peer: None,
     };
     let result = ConnectionResult::new(open, &ctx.metrics);
     let span = result.span().clone();
@@ -156,7 +161,7 @@ async fn handle(
                 }
             }
             Resolved::Hbone { addr, workload, .. } => {
-                let headers = headers(src.ip(), src_w.as_deref());
+                let headers = headers(src.ip(), src_w.as_deref(), trace_id);
                 let peer = SocketAddr::new(addr.ip(), ctx.cfg.hbone_port);
                 let id = workload_identity(&workload);
                 hbone(
@@ -181,7 +186,7 @@ async fn handle(
                 target,
                 ..
             } => {
-                let headers = headers(src.ip(), src_w.as_deref());
+                let headers = headers(src.ip(), src_w.as_deref(), trace_id);
                 let id = workload_identity(&waypoint);
                 hbone(
                     &ctx,
@@ -292,8 +297,9 @@ fn service_info(s: &Service) -> ServiceInfo {
     }
 }
 
-/// `baggage`, `forwarded` and `traceparent` of a CONNECT.
-fn headers(src_ip: IpAddr, src: Option<&Workload>) -> HeaderMap {
+/// `baggage`, `forwarded` and `traceparent` (with `trace_id`, else a
+/// random one) of a CONNECT.
+fn headers(src_ip: IpAddr, src: Option<&Workload>, trace_id: Option<u128>) -> HeaderMap {
     let mut h = HeaderMap::with_capacity(3);
     if let Some(w) = src {
         let mut baggage = format!(
@@ -323,7 +329,7 @@ fn headers(src_ip: IpAddr, src: Option<&Workload>) -> HeaderMap {
     if let Ok(v) = HeaderValue::from_str(&forwarded) {
         h.insert("forwarded", v);
     }
-    let trace: u128 = rand::random::<u128>().max(1);
+    let trace: u128 = trace_id.unwrap_or_else(|| rand::random::<u128>().max(1));
     let span: u64 = rand::random::<u64>().max(1);
     if let Ok(v) = HeaderValue::from_str(&format!("00-{trace:032x}-{span:016x}-01")) {
         h.insert("traceparent", v);
@@ -364,7 +370,7 @@ mod tests {
             host_network: false,
             capacity: 1,
         };
-        let h = headers("10.1.2.3".parse().unwrap(), Some(&w));
+        let h = headers("10.1.2.3".parse().unwrap(), Some(&w), Some(0xab));
         assert_eq!(
             h["baggage"],
             "k8s.cluster.name=Kubernetes,k8s.namespace.name=ai,k8s.deployment.name=client,service.name=client,service.version=v2"
@@ -377,7 +383,8 @@ mod tests {
             (parts[0], parts[1].len(), parts[2].len(), parts[3]),
             ("00", 32, 16, "01")
         );
-        let v6 = headers("fd00::1".parse().unwrap(), None);
+        assert_eq!(parts[1], format!("{:032x}", 0xab));
+        let v6 = headers("fd00::1".parse().unwrap(), None, None);
         assert_eq!(v6["forwarded"], "for=\"[fd00::1]\"");
         assert!(v6.get("baggage").is_none());
     }

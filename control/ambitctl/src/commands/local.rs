@@ -63,7 +63,9 @@ pub enum LocalCmd {
         #[arg(long, value_name = "DIR")]
         keep_config: Option<PathBuf>,
     },
-    /// Nodes, pods, enrollment and recent connections (mTLS or plaintext).
+    /// Nodes; pods and whether each is in the mesh now (its labels in the
+    /// config, its node agent, the ztunnels); the connections apps made,
+    /// one row each (mTLS or plaintext, outcome).
     Status {
         #[command(flatten)]
         which: Which,

@@ -1,8 +1,9 @@
 //! Human-readable output of `local up` and `local status`.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use super::status::{Connection, PodStatus, ProcStatus, Status};
+use super::status::{Connection, Mesh, PodStatus, ProcStatus, Report, Status};
 
 /// Left-aligned columns, two spaces apart.
 fn table(header: &[&str], rows: &[Vec<String>]) -> String {
@@ -43,51 +44,181 @@ fn proc(p: &ProcStatus) -> String {
     }
 }
 
-fn mesh(p: &PodStatus) -> String {
-    match (p.enrolled, p.ambient) {
-        (Some(true), _) if p.unserved => {
-            "ENROLLED, NOT SERVED (redirected, ztunnel has no listeners; agent retrying)".into()
-        }
-        (Some(true), _) => "enrolled".into(),
-        (_, true) => "NOT ENROLLED (labels say ambient)".into(),
-        (Some(false), false) | (None, false) => "no".into(),
+/// What the labels say, for people.
+fn labels_say(p: &PodStatus) -> String {
+    if !p.in_config {
+        return "the pod is no longer in the config".into();
+    }
+    match (p.ambient, p.dataplane_mode.as_str()) {
+        (_, "") => "no dataplane-mode label".into(),
+        (true, _) => "labels say ambient".into(),
+        (false, mode) => format!("labels say {mode}"),
     }
 }
 
+/// The MESH column: whether the pod is in the mesh, from the live sources.
+fn mesh(p: &PodStatus) -> String {
+    match p.mesh {
+        Mesh::EnrolledNotServed => {
+            "ENROLLED, NOT SERVED (redirected, ztunnel has no listeners; agent retrying)".into()
+        }
+        Mesh::Enrolled => "enrolled".into(),
+        Mesh::NotEnrolled if !p.in_config => "no (not in the config)".into(),
+        Mesh::NotEnrolled => "no".into(),
+        Mesh::Disagree => {
+            let agent = match p.enrolled {
+                Some(true) if p.unserved => "node agent: enrolled, not served",
+                Some(true) => "node agent: enrolled",
+                Some(false) => "node agent: not enrolled",
+                None => "node agent: no record",
+            };
+            let mut by: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+            for (node, proto) in &p.ztunnels {
+                by.entry(proto.as_deref().unwrap_or("not listed"))
+                    .or_default()
+                    .push(node);
+            }
+            let ztunnels = match by.len() {
+                0 => "ztunnels: no answer".to_string(),
+                1 => format!("ztunnels: {}", by.keys().next().copied().unwrap_or("-")),
+                _ => format!(
+                    "ztunnels: {}",
+                    by.iter()
+                        .map(|(proto, nodes)| format!("{proto} on {}", nodes.join(",")))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            };
+            format!("DISAGREE ({}; {agent}; {ztunnels})", labels_say(p))
+        }
+    }
+}
+
+/// `namespace/pod ip:port`, or the address alone.
 fn endpoint(workload: &str, addr: &str) -> String {
-    if workload.is_empty() || workload == "-" {
+    if workload.is_empty() {
         addr.to_string()
     } else {
         format!("{workload} {addr}")
     }
 }
 
-/// `src → dst  mTLS|plaintext  flags` rows.
+/// `15:11:52.570` of an RFC 3339 time.
+fn time_of_day(rfc3339: &str) -> &str {
+    rfc3339
+        .split_once('T')
+        .map_or(rfc3339, |(_, t)| t.trim_end_matches('Z'))
+}
+
+fn bytes(n: u64) -> String {
+    match n {
+        0..1_000 => format!("{n} B"),
+        1_000..1_000_000 => format!("{:.1} kB", n as f64 / 1e3),
+        _ => format!("{:.1} MB", n as f64 / 1e6),
+    }
+}
+
+/// One row per application connection.
 fn connections(conns: &[Connection]) -> String {
     let rows: Vec<Vec<String>> = conns
         .iter()
         .map(|c| {
-            let mut flags = c.response_flags.clone();
-            if !c.error.is_empty() && c.error != "-" {
-                let _ = write!(flags, " ({})", c.error);
+            let mut server = match &c.dst_service {
+                Some(svc) => format!("{svc} {}", c.dst_addr),
+                None => c.dst_addr.clone(),
+            };
+            // The peer of a waypoint-bound connection is the waypoint: say
+            // so once, after the destination.
+            let via = c
+                .waypoint
+                .as_ref()
+                .filter(|w| !c.src_workload.ends_with(&format!("/{}", pod_of(w))));
+            let dst_workload = if via.is_some() { "" } else { &c.dst_workload };
+            match (&c.delivered_to, dst_workload.is_empty()) {
+                (Some(to), false) => {
+                    let _ = write!(server, " → {dst_workload} {to}");
+                }
+                (Some(to), true) => {
+                    let _ = write!(server, " → {to}");
+                }
+                (None, false) => server = endpoint(dst_workload, &server),
+                (None, true) => {}
             }
+            if let Some(w) = via {
+                let _ = write!(server, " via waypoint {w}");
+            }
+            let client = report_of(c, "outbound");
+            let ms = c.reported_by.first().map_or(0, |r| r.duration_ms);
+            let outcome = if c.open {
+                format!("open {}", since(ms))
+            } else if c.response_flags == "-" {
+                let moved = client.or(c.reported_by.first()).map_or(0, |r| {
+                    r.bytes_sent.unwrap_or(0) + r.bytes_received.unwrap_or(0)
+                });
+                format!("ok, {}, {ms} ms", bytes(moved))
+            } else {
+                match &c.error {
+                    Some(e) => format!("{} ({})", c.response_flags, shorten(e, 72)),
+                    None => c.response_flags.clone(),
+                }
+            };
+            let seen: Vec<String> = c
+                .reported_by
+                .iter()
+                .map(|r| match r.hbone_peer {
+                    Some(t) => format!("{} {} #{} (HBONE from {t})", r.node, r.direction, r.id),
+                    None => format!("{} {} #{}", r.node, r.direction, r.id),
+                })
+                .collect();
             vec![
-                c.node.clone(),
-                c.direction.clone(),
-                format!(
-                    "{} → {}",
-                    endpoint(&c.src_workload, &c.src_addr),
-                    endpoint(&c.dst_workload, &c.dst_addr)
-                ),
+                time_of_day(&c.time).to_string(),
+                endpoint(&c.src_workload, &c.src_addr),
+                server,
                 if c.mtls { "mTLS" } else { "plaintext" }.to_string(),
-                flags,
+                outcome,
+                seen.join(", "),
             ]
         })
         .collect();
     table(
-        &["NODE", "DIRECTION", "CONNECTION", "SECURITY", "FLAGS"],
+        &[
+            "STARTED (UTC)",
+            "CLIENT",
+            "SERVER",
+            "SECURITY",
+            "OUTCOME",
+            "SEEN BY",
+        ],
         &rows,
     )
+}
+
+/// The pod of a `namespace/pod` name.
+fn pod_of(name: &str) -> &str {
+    name.rsplit_once('/').map_or(name, |(_, p)| p)
+}
+
+/// A duration so far: `850 ms`, `12.3 s`, `4 min`.
+fn since(ms: u64) -> String {
+    match ms {
+        0..1_000 => format!("{ms} ms"),
+        1_000..120_000 => format!("{:.1} s", ms as f64 / 1e3),
+        _ => format!("{} min", ms / 60_000),
+    }
+}
+
+/// `text` cut to `max` characters with `…` (the JSON output has it whole).
+fn shorten(text: &str, max: usize) -> String {
+    if text.chars().count() <= max {
+        return text.to_string();
+    }
+    let mut out: String = text.chars().take(max.saturating_sub(1)).collect();
+    out.push('…');
+    out
+}
+
+fn report_of<'c>(c: &'c Connection, direction: &str) -> Option<&'c Report> {
+    c.reported_by.iter().find(|r| r.direction == direction)
 }
 
 /// The nodes and pods tables, shared by `up` and `status`.
@@ -164,6 +295,32 @@ fn body(s: &Status) -> String {
         })
         .collect();
     out.push_str(&table(&["POD", "NODE", "IP", "MESH", "APP"], &rows));
+    if s.pods.iter().any(|p| p.mesh == Mesh::Disagree) {
+        out.push_str(
+            "DISAGREE: the config's labels, the node agent and the ztunnels do not agree yet; \
+             a label change takes a second or two to apply everywhere (if it stays, see the \
+             node agent's and the control plane's logs).\n",
+        );
+    }
+    for n in &s.nodes {
+        if let Some(e) = &n.admin_error {
+            let _ = writeln!(
+                out,
+                "ztunnel of {}: admin not answering ({e}); its view of the pods and its connections are missing.",
+                n.name
+            );
+        }
+    }
+    if !s.config_errors.is_empty() {
+        let _ = writeln!(
+            out,
+            "The config has {} rejected document(s) (their last good version keeps serving; `ambitctl analyze --local` explains):",
+            s.config_errors.len()
+        );
+        for e in &s.config_errors {
+            let _ = writeln!(out, "  {e}");
+        }
+    }
     out.push_str(&waypoints(s));
     out
 }
@@ -313,10 +470,25 @@ pub fn status(s: &Status) -> String {
     out.push_str(&body(s));
     out.push('\n');
     if s.connections.is_empty() {
-        out.push_str("No connections yet (ztunnel access logs are empty).\n");
+        out.push_str("No connections yet (the ztunnels' /connections are empty).\n");
     } else {
-        out.push_str("Recent connections (ztunnel access logs):\n");
+        out.push_str(
+            "Connections apps made (each ztunnel's /connections; CLIENT is the app's own socket, \
+             one row per connection even when many share one HBONE tunnel; `-o json` has every \
+             field):\n",
+        );
         out.push_str(&connections(&s.connections));
+        let portless = s
+            .connections
+            .iter()
+            .any(|c| c.reported_by.iter().all(|r| r.hbone_peer.is_some()));
+        if portless {
+            out.push_str(
+                "A CLIENT without a port was seen only by the server's ztunnel, over HBONE, which \
+                 does not carry the client's port; #N is the connection's id in that ztunnel's \
+                 /connections.\n",
+            );
+        }
     }
     let _ = writeln!(out, "\nLogs: {}", s.log_dir.display());
     out

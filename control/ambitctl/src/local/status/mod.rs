@@ -1,20 +1,38 @@
-//! `local status`: processes, readiness, enrollment (the node agents'
-//! `pods.json`), recent connections (ztunnel access logs) and connection
-//! totals by security policy (ztunnel `/metrics`).
+//! `local status`: processes, readiness, whether each pod is in the mesh
+//! and the connections apps made, all read live from what the processes
+//! hold now:
+//!
+//! * enrollment (`enrollment.rs`): the config dir's labels now, each node
+//!   agent's `pods.json`, each ztunnel's admin `/config_dump` workloads;
+//! * connections (`connections.rs`): each ztunnel's admin `/connections`,
+//!   joined into one row per application connection;
+//! * connection totals by security policy: ztunnel `/metrics` (Prometheus
+//!   text, parsed).
+
+mod connections;
+mod enrollment;
+
+#[cfg(test)]
+mod tests;
 
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Serialize;
 
-use super::process::{http_get, is_alive, read_tail};
+use super::process::{http_get, is_alive};
 use super::state::{Phase, Role, State};
 use super::waypoints::{SkippedWaypoint, WaypointStatus, probe};
 
-/// Connections shown per node.
-pub const RECENT_CONNECTIONS: usize = 20;
+pub use connections::{
+    Connection, OPEN_CONNECTIONS, RECENT_CONNECTIONS, Report, ZtConnections, ZtEndpoint, ZtRecord,
+    merge, opened_by_policy, rfc3339,
+};
+pub use enrollment::{
+    LiveConfig, Mesh, PodLabels, labels_of, read_config, verdict, ztunnel_workloads,
+};
 
 /// A process and whether it runs.
 #[derive(Debug, Clone, Serialize)]
@@ -65,6 +83,9 @@ pub struct NodeStatus {
     /// `istio_tcp_connections_opened_total` summed by
     /// `connection_security_policy` (empty when `/metrics` is unreachable).
     pub connections_opened: BTreeMap<String, u64>,
+    /// Why its admin (`/config_dump`, `/connections`) did not answer: its
+    /// view of the pods and its connections are then missing.
+    pub admin_error: Option<String>,
 }
 
 /// One pod.
@@ -75,35 +96,26 @@ pub struct PodStatus {
     pub node: String,
     pub ip: Ipv4Addr,
     pub netns: String,
-    /// Whether its labels put it in the mesh.
+    /// Whether its labels put it in the mesh, as the config dir says now.
     pub ambient: bool,
-    /// What its node agent says (`None`: not in the agent's table).
+    /// The `istio.io/dataplane-mode` value that decided (the pod's, else
+    /// its namespace's; empty when neither has one).
+    pub dataplane_mode: String,
+    /// Whether the config dir still has the pod.
+    pub in_config: bool,
+    /// What its node agent says now (`None`: not in the agent's table).
     pub enrolled: Option<bool>,
     /// Enrolled and redirected, but its ztunnel does not serve it (no
     /// listeners; the agent is retrying the handover).
     pub unserved: bool,
+    /// How each ztunnel that answered holds its workload: `HBONE` (peers
+    /// tunnel to it), `TCP`, or `None` when it does not list it.
+    pub ztunnels: BTreeMap<String, Option<String>>,
+    /// All of the above considered.
+    pub mesh: Mesh,
     /// `ambit-demo` arguments.
     pub app: Option<String>,
     pub app_running: Option<bool>,
-}
-
-/// One access-log line of a ztunnel.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-pub struct Connection {
-    /// The node whose ztunnel logged it.
-    pub node: String,
-    pub time: String,
-    pub direction: String,
-    pub src_addr: String,
-    pub src_workload: String,
-    pub dst_addr: String,
-    pub dst_workload: String,
-    pub dst_service: String,
-    /// The peer identity proved by mTLS; `None` for plaintext.
-    pub src_identity: Option<String>,
-    pub mtls: bool,
-    pub response_flags: String,
-    pub error: String,
 }
 
 /// Everything `local status` shows.
@@ -117,8 +129,12 @@ pub struct Status {
     pub control: ControlStatus,
     pub nodes: Vec<NodeStatus>,
     pub pods: Vec<PodStatus>,
-    /// The last [`RECENT_CONNECTIONS`] of each node, oldest first across nodes.
+    /// Application connections, oldest first: every open one (up to
+    /// [`OPEN_CONNECTIONS`]) and the last [`RECENT_CONNECTIONS`] closed.
     pub connections: Vec<Connection>,
+    /// Documents of the config dir its reader rejects now (the mesh keeps
+    /// serving their last good version).
+    pub config_errors: Vec<String>,
     /// The waypoint controller.
     pub waypoint_controller: ProcStatus,
     /// Waypoint pods, with their readiness and requests per route.
@@ -157,6 +173,22 @@ impl Status {
 
 const PROBE: Duration = Duration::from_secs(1);
 
+/// What one ztunnel's admin says: its workloads' protocols and its
+/// connections.
+fn ztunnel_admin(admin: SocketAddr) -> Result<(BTreeMap<String, String>, ZtConnections), String> {
+    let get = |path: &str, what: &str| {
+        crate::http::get(admin, path, what, PROBE).map_err(|e| e.to_string())
+    };
+    let dump = get("/config_dump", "ztunnel's admin")?;
+    let dump: serde_json::Value = serde_json::from_str(&dump)
+        .map_err(|e| format!("ztunnel's /config_dump at {admin} is not JSON: {e}"))?;
+    let conns = get("/connections", "ztunnel's admin")?;
+    let conns: ZtConnections = serde_json::from_str(&conns).map_err(|e| {
+        format!("ztunnel's /connections at {admin} is not what ambitctl reads: {e}")
+    })?;
+    Ok((ztunnel_workloads(&dump), conns))
+}
+
 /// Collects the status of the cluster described by `state`.
 pub fn collect(state: &State) -> Status {
     let control = ControlStatus {
@@ -170,15 +202,22 @@ pub fn collect(state: &State) -> Status {
             .as_ref()
             .map(|c| c.monitoring_addr.to_string()),
     };
+    let config = read_config(&state.config_dir);
     let mut nodes = Vec::new();
-    let mut connections = Vec::new();
-    let mut enrolled: BTreeMap<String, (bool, bool)> = BTreeMap::new();
+    let mut records = Vec::new();
+    let mut workloads: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    let mut agents: BTreeMap<String, (bool, bool)> = BTreeMap::new();
     for n in &state.nodes {
         let ztunnel = ProcStatus::of(state, Role::Ztunnel, Some(&n.name));
-        if let Some(log) = &ztunnel.log {
-            connections.extend(recent_connections(&n.name, log, RECENT_CONNECTIONS));
-        }
-        enrolled.extend(agent_table(&n.agent_dir.join("pods.json")));
+        let admin_error = match ztunnel_admin(n.admin_addr) {
+            Ok((w, c)) => {
+                workloads.insert(n.name.clone(), w);
+                records.push((n.name.clone(), c));
+                None
+            }
+            Err(e) => Some(e),
+        };
+        agents.extend(agent_table(&n.agent_dir.join("pods.json")));
         nodes.push(NodeStatus {
             name: n.name.clone(),
             netns: n.netns.clone(),
@@ -195,24 +234,35 @@ pub fn collect(state: &State) -> Status {
                 .filter(|(s, _)| *s == 200)
                 .map(|(_, body)| opened_by_policy(&body))
                 .unwrap_or_default(),
+            admin_error,
         });
     }
-    // One timeline across nodes (RFC 3339 timestamps sort as text).
-    connections.sort_by(|a, b| a.time.cmp(&b.time));
     let pods = state
         .pods
         .iter()
         .map(|p| {
             let key = p.key();
+            let labels = config.pods.get(&key);
+            let agent = agents.get(&key);
+            let enrolled = agent.map(|(e, _)| *e);
+            let served = agent.is_none_or(|(_, served)| *served);
+            let ztunnels: BTreeMap<String, Option<String>> = workloads
+                .iter()
+                .map(|(node, w)| (node.clone(), w.get(&key).cloned()))
+                .collect();
             PodStatus {
                 namespace: p.namespace.clone(),
                 name: p.name.clone(),
                 node: p.node.clone(),
                 ip: p.ip,
                 netns: p.netns.clone(),
-                ambient: p.ambient,
-                enrolled: enrolled.get(&key).map(|(e, _)| *e),
-                unserved: enrolled.get(&key).is_some_and(|(e, served)| *e && !*served),
+                ambient: labels.is_some_and(|l| l.ambient),
+                dataplane_mode: labels.map(|l| l.mode.clone()).unwrap_or_default(),
+                in_config: labels.is_some(),
+                enrolled,
+                unserved: enrolled == Some(true) && !served,
+                mesh: verdict(labels, enrolled, served, &ztunnels),
+                ztunnels,
                 app: p.app.as_ref().map(|a| a.join(" ")),
                 app_running: p
                     .app
@@ -234,7 +284,8 @@ pub fn collect(state: &State) -> Status {
         control,
         nodes,
         pods,
-        connections,
+        connections: merge(&records),
+        config_errors: config.errors,
     }
 }
 
@@ -260,100 +311,4 @@ pub fn agent_table(path: &std::path::Path) -> BTreeMap<String, (bool, bool)> {
             ))
         })
         .collect()
-}
-
-/// The last `n` `connection complete` lines of a ztunnel log.
-pub fn recent_connections(node: &str, log: &std::path::Path, n: usize) -> Vec<Connection> {
-    let lines: Vec<Connection> = read_tail(log, 1024 * 1024)
-        .iter()
-        .filter(|l| l.contains("connection complete"))
-        .filter_map(|l| parse_access_line(node, l))
-        .collect();
-    let start = lines.len().saturating_sub(n);
-    lines[start..].to_vec()
-}
-
-/// Parses one access-log line (tracing's `key=value` format; string values
-/// in quotes).
-pub fn parse_access_line(node: &str, line: &str) -> Option<Connection> {
-    let (head, fields) = line.split_once("connection complete")?;
-    let kv = fields_of(fields);
-    let get = |k: &str| kv.get(k).cloned().unwrap_or_default();
-    let identity = get("src.identity");
-    let mtls = !identity.is_empty() && identity != "-";
-    Some(Connection {
-        node: node.to_string(),
-        time: head.split_whitespace().next().unwrap_or("").to_string(),
-        direction: get("direction"),
-        src_addr: get("src.addr"),
-        src_workload: get("src.workload"),
-        dst_addr: get("dst.addr"),
-        dst_workload: get("dst.workload"),
-        dst_service: get("dst.service"),
-        src_identity: mtls.then_some(identity),
-        mtls,
-        response_flags: get("response_flags"),
-        error: get("error"),
-    })
-}
-
-fn fields_of(s: &str) -> BTreeMap<String, String> {
-    let mut out = BTreeMap::new();
-    let mut rest = s.trim_start();
-    while let Some((key, after)) = rest.split_once('=') {
-        let key = key.trim().to_string();
-        let (value, next) = if let Some(q) = after.strip_prefix('"') {
-            // Up to the next unescaped quote.
-            let mut end = None;
-            let mut escaped = false;
-            for (i, c) in q.char_indices() {
-                match c {
-                    '\\' if !escaped => escaped = true,
-                    '"' if !escaped => {
-                        end = Some(i);
-                        break;
-                    }
-                    _ => escaped = false,
-                }
-            }
-            let end = end.unwrap_or(q.len());
-            (
-                q[..end].replace("\\\"", "\""),
-                q.get(end + 1..).unwrap_or(""),
-            )
-        } else {
-            let end = after.find(char::is_whitespace).unwrap_or(after.len());
-            (after[..end].to_string(), &after[end..])
-        };
-        out.insert(key, value);
-        rest = next.trim_start();
-    }
-    out
-}
-
-/// Sums `istio_tcp_connections_opened_total` by `connection_security_policy`.
-pub fn opened_by_policy(metrics: &str) -> BTreeMap<String, u64> {
-    let mut out = BTreeMap::new();
-    for line in metrics.lines() {
-        let Some(rest) = line.strip_prefix("istio_tcp_connections_opened_total{") else {
-            continue;
-        };
-        let Some((labels, value)) = rest.rsplit_once('}') else {
-            continue;
-        };
-        let policy = labels
-            .split("connection_security_policy=\"")
-            .nth(1)
-            .and_then(|v| v.split('"').next())
-            .unwrap_or("unknown");
-        let n = value
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0);
-        // Counters are whole numbers.
-        let n = n as u64;
-        *out.entry(policy.to_string()).or_insert(0) += n;
-    }
-    out
 }
