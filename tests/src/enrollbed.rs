@@ -35,6 +35,28 @@ pub fn plugin_binary() -> Option<PathBuf> {
     bin.exists().then_some(bin)
 }
 
+/// Where the workspace's binaries are for an `ambitctl local` cluster (next
+/// to the test binary's directory), when the bed can run here and every one
+/// is built; prints SKIP with the reason otherwise.
+pub fn local_bin_dir(test: &str) -> Option<PathBuf> {
+    if !can_run(test) {
+        return None;
+    }
+    let exe = std::env::current_exe().ok()?;
+    let dir = exe.parent()?.parent()?.to_path_buf();
+    let missing: Vec<&str> = ambitctl::local::BINARIES
+        .iter()
+        .copied()
+        .chain([ambitctl::local::CONTROLLER_BINARY])
+        .filter(|b| !dir.join(b).exists())
+        .collect();
+    if !missing.is_empty() {
+        println!("SKIP {test}: binaries not built: {missing:?} (cargo build --workspace)");
+        return None;
+    }
+    Some(dir)
+}
+
 /// Whether the bed can run here; prints SKIP with the reason otherwise.
 pub fn can_run(test: &str) -> bool {
     if !crate::netbed::can_run(test) {

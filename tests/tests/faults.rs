@@ -20,7 +20,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::{IpAddr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use ambit_inpod::PodNetns;
@@ -77,25 +77,6 @@ where
 
 // ------------------------------------------------------ ambitctl local beds
 
-/// Where the workspace's binaries are, when the local bed can run.
-fn bin_dir(test: &str) -> Option<PathBuf> {
-    if !enrollbed::can_run(test) {
-        return None;
-    }
-    let exe = std::env::current_exe().ok()?;
-    let dir = exe.parent()?.parent()?.to_path_buf();
-    let missing: Vec<&str> = local::BINARIES
-        .iter()
-        .copied()
-        .filter(|b| !dir.join(b).exists())
-        .collect();
-    if !missing.is_empty() {
-        println!("SKIP {test}: binaries not built: {missing:?} (cargo build --workspace)");
-        return None;
-    }
-    Some(dir)
-}
-
 /// `mesh` is ambient; each `(name, node, ip)` is a pod of it.
 fn mesh_yaml(pods: &[(&str, &str, &str)]) -> String {
     let mut y = String::from(
@@ -116,7 +97,7 @@ struct LocalBed {
 }
 
 fn local_up(test: &str, yaml: &str) -> Option<LocalBed> {
-    let bins = bin_dir(test)?;
+    let bins = enrollbed::local_bin_dir(test)?;
     let config = tempfile::tempdir().unwrap();
     std::fs::write(config.path().join("mesh.yaml"), yaml).unwrap();
     let state = tempfile::tempdir().unwrap();

@@ -18,25 +18,6 @@ use ambit_tests::enrollbed;
 use ambit_tests::{copy_fixture, workspace_root};
 use ambitctl::local::{self, DownOnDrop, LocalCluster, UpOptions};
 
-/// Where the workspace's binaries are (next to this test's directory).
-fn bin_dir(test: &str) -> Option<PathBuf> {
-    if !enrollbed::can_run(test) {
-        return None;
-    }
-    let exe = std::env::current_exe().ok()?;
-    let dir = exe.parent()?.parent()?.to_path_buf();
-    let missing: Vec<&str> = local::BINARIES
-        .iter()
-        .copied()
-        .filter(|b| !dir.join(b).exists())
-        .collect();
-    if !missing.is_empty() {
-        println!("SKIP {test}: binaries not built: {missing:?} (cargo build --workspace)");
-        return None;
-    }
-    Some(dir)
-}
-
 fn up(
     test: &str,
     config: &std::path::Path,
@@ -72,7 +53,9 @@ fn eventually(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
 #[test]
 fn demo_platform_is_mtls_across_nodes_and_refuses_legacy_plaintext() {
     let test = "demo_platform_is_mtls_across_nodes_and_refuses_legacy_plaintext";
-    let Some(bins) = bin_dir(test) else { return };
+    let Some(bins) = enrollbed::local_bin_dir(test) else {
+        return;
+    };
     let config = copy_fixture(&workspace_root().join("deploy/local/demo")).unwrap();
     let state = tempfile::tempdir().unwrap();
     let guard = up(test, config.path(), bins, &state, false);
@@ -133,7 +116,9 @@ fn demo_platform_is_mtls_across_nodes_and_refuses_legacy_plaintext() {
 #[test]
 fn labelling_a_namespace_enrolls_its_running_pods() {
     let test = "labelling_a_namespace_enrolls_its_running_pods";
-    let Some(bins) = bin_dir(test) else { return };
+    let Some(bins) = enrollbed::local_bin_dir(test) else {
+        return;
+    };
     let config = copy_fixture(&workspace_root().join("deploy/local/demo")).unwrap();
     let state = tempfile::tempdir().unwrap();
     // As `ambitctl local up` runs it: the mesh serves a working copy in the

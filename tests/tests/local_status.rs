@@ -22,25 +22,6 @@ use ambit_tests::enrollbed;
 use ambitctl::local::status::{Connection, Mesh, Status};
 use ambitctl::local::{self, DownOnDrop, LocalCluster, UpOptions};
 
-/// Where the workspace's binaries are (next to this test's directory).
-fn bin_dir(test: &str) -> Option<PathBuf> {
-    if !enrollbed::can_run(test) {
-        return None;
-    }
-    let exe = std::env::current_exe().ok()?;
-    let dir = exe.parent()?.parent()?.to_path_buf();
-    let missing: Vec<&str> = local::BINARIES
-        .iter()
-        .copied()
-        .filter(|b| !dir.join(b).exists())
-        .collect();
-    if !missing.is_empty() {
-        println!("SKIP {test}: binaries not built: {missing:?} (cargo build --workspace)");
-        return None;
-    }
-    Some(dir)
-}
-
 const CLIENT_IP: &str = "10.20.1.10";
 const SERVER: &str = "10.20.2.10:8080";
 
@@ -99,7 +80,9 @@ fn mesh_pods(s: &Status) -> Vec<&ambitctl::local::status::PodStatus> {
 #[test]
 fn status_follows_a_namespace_relabelled_to_none_and_back() {
     let test = "status_follows_a_namespace_relabelled_to_none_and_back";
-    let Some(bins) = bin_dir(test) else { return };
+    let Some(bins) = enrollbed::local_bin_dir(test) else {
+        return;
+    };
     let config = tempfile::tempdir().unwrap();
     let state = tempfile::tempdir().unwrap();
     let guard = up(test, config.path(), bins, &state);
@@ -245,7 +228,9 @@ fn row<'s>(s: &'s Status, src: &str) -> Option<&'s Connection> {
 #[test]
 fn pooled_hbone_connections_show_as_separate_application_connections() {
     let test = "pooled_hbone_connections_show_as_separate_application_connections";
-    let Some(bins) = bin_dir(test) else { return };
+    let Some(bins) = enrollbed::local_bin_dir(test) else {
+        return;
+    };
     let config = tempfile::tempdir().unwrap();
     let state = tempfile::tempdir().unwrap();
     let guard = up(test, config.path(), bins, &state);
@@ -352,7 +337,9 @@ fn get(addr: SocketAddr, path: &str) -> (u16, String) {
 #[test]
 fn ztunnel_admin_root_lists_its_endpoints() {
     let test = "ztunnel_admin_root_lists_its_endpoints";
-    let Some(bins) = bin_dir(test) else { return };
+    let Some(bins) = enrollbed::local_bin_dir(test) else {
+        return;
+    };
     let config = tempfile::tempdir().unwrap();
     let state = tempfile::tempdir().unwrap();
     let guard = up(test, config.path(), bins, &state);

@@ -21,7 +21,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use ambit_tests::httpapp::{self, Reply};
@@ -37,25 +37,6 @@ const CLIENT: &str = "ai-inference/orchestrator-0";
 const SPLIT_REQUESTS: usize = 2_000;
 const LLM: &str = "10.96.0.20:80";
 const CANARY_FILE: &str = "llm-canary.yaml";
-
-fn bin_dir(test: &str) -> Option<PathBuf> {
-    if !enrollbed::can_run(test) {
-        return None;
-    }
-    let exe = std::env::current_exe().ok()?;
-    let dir = exe.parent()?.parent()?.to_path_buf();
-    let missing: Vec<&str> = local::BINARIES
-        .iter()
-        .copied()
-        .chain([local::CONTROLLER_BINARY])
-        .filter(|b| !dir.join(b).exists())
-        .collect();
-    if !missing.is_empty() {
-        println!("SKIP {test}: binaries not built: {missing:?} (cargo build --workspace)");
-        return None;
-    }
-    Some(dir)
-}
 
 /// Polls `f` every 50 ms for at most `limit`; how long it took.
 fn eventually(what: &str, limit: Duration, mut f: impl FnMut() -> bool) -> Duration {
@@ -181,7 +162,9 @@ async fn load(
 #[test]
 fn waypoint_pod_runs_the_llm_canary_and_follows_the_config() {
     let test = "waypoint_pod_runs_the_llm_canary_and_follows_the_config";
-    let Some(bins) = bin_dir(test) else { return };
+    let Some(bins) = enrollbed::local_bin_dir(test) else {
+        return;
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
