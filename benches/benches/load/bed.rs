@@ -1,0 +1,317 @@
+//! The load bench's bed: `ambitctl::local` (the real binaries as
+//! processes) with `mesh/client` on node-1 and `mesh/server` on node-2, the
+//! processes' memory, and the machine's state.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ambit_tests::netbed::{self, PodNet};
+use ambit_ztunnel::hbone::client_config;
+use ambit_ztunnel::identity::{CertificateManager, Identity};
+use ambitctl::local::{self, DownOnDrop, Role, UpOptions};
+use anyhow::{Context, Result};
+
+use crate::dpload::{self, Mem};
+
+/// The echo server's port in `mesh/server`.
+pub const ECHO_PORT: u16 = 7000;
+/// Namespace of the pods.
+pub const NS: &str = "mesh";
+
+/// The bed's pods; `extra` is appended (policies, services).
+fn config(labels: &str) -> String {
+    format!(
+        "\
+apiVersion: v1
+kind: Namespace
+metadata: {{name: {NS}, labels: {{istio.io/dataplane-mode: ambient}}}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: client, namespace: {NS}, uid: uid-client, labels: {{app: client}}}}
+spec: {{nodeName: node-1, serviceAccountName: client}}
+status: {{podIP: 10.10.1.10}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: server, namespace: {NS}, uid: uid-server, labels: {{app: server{labels}}}}}
+spec: {{nodeName: node-2, serviceAccountName: server}}
+status: {{podIP: 10.10.2.10}}
+"
+    )
+}
+
+/// `target/release`, when every binary local mode runs is there; prints
+/// SKIP and returns `None` otherwise.
+pub fn binaries() -> Result<Option<PathBuf>> {
+    let exe = std::env::current_exe()?;
+    let bins: PathBuf = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .context("locating target/release")?
+        .to_path_buf();
+    let missing: Vec<_> = local::BINARIES
+        .iter()
+        .chain(&[local::CONTROLLER_BINARY])
+        .filter(|b| !bins.join(b).exists())
+        .collect();
+    if !missing.is_empty() {
+        println!(
+            "SKIP load bench: build the binaries first (cargo build --release --workspace --bins); missing {missing:?} in {}",
+            bins.display()
+        );
+        return Ok(None);
+    }
+    Ok(Some(bins))
+}
+
+/// Raises RLIMIT_NOFILE (soft and hard) to at least `n`; returns the soft
+/// limit in effect.
+pub fn raise_nofile(n: u64) -> Result<u64> {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    if soft < n {
+        let hard = hard.max(n);
+        setrlimit(Resource::RLIMIT_NOFILE, n, hard)
+            .context("raising RLIMIT_NOFILE (needs root beyond the hard limit)")?;
+    }
+    Ok(getrlimit(Resource::RLIMIT_NOFILE)?.0)
+}
+
+/// Load average, CPUs, available memory, and how busy the CPUs were over
+/// the last second.
+pub fn machine_state() -> String {
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let load: Vec<&str> = load.split_whitespace().take(3).collect();
+    let avail = std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("MemAvailable:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .unwrap_or(0);
+    let busy0 = dpload::machine_busy_secs();
+    std::thread::sleep(Duration::from_millis(500));
+    let busy = (dpload::machine_busy_secs() - busy0) / 0.5;
+    format!(
+        "load average {}, {} CPUs, {:.0} % of a CPU busy over 0.5 s, {:.1} GiB available",
+        load.join(" "),
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        busy * 100.0,
+        avail as f64 / (1 << 20) as f64
+    )
+}
+
+/// MiB from KiB.
+pub fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
+
+/// `rss (anon a)` in MiB.
+pub fn mem_cell(m: &Mem) -> String {
+    format!("{:.1} MiB (anon {:.1})", mib(m.rss), mib(m.anon))
+}
+
+/// The running bed. Dropping it takes the cluster down (processes,
+/// namespaces, state dir).
+pub struct Bed {
+    pub cluster: DownOnDrop,
+    pub client: PodNet,
+    pub server: PodNet,
+    /// ztunnel of node-1 (the client's: outbound).
+    pub zt_src: u32,
+    /// ztunnel of node-2 (the server's: inbound).
+    pub zt_dst: u32,
+    pub control: u32,
+    pub xds_tls: SocketAddr,
+    pub root_cert: PathBuf,
+    /// node-1's bootstrap token file.
+    pub token_node1: PathBuf,
+    pub bins: PathBuf,
+    config: tempfile::TempDir,
+    _state: tempfile::TempDir,
+}
+
+fn pod(c: &local::LocalCluster, key: &str, node: usize) -> Result<PodNet> {
+    let p = c.pod(key)?;
+    Ok(PodNet {
+        name: p.name.clone(),
+        netns: p.netns.clone(),
+        ip: p.ip,
+        ip6: None,
+        node,
+    })
+}
+
+fn pid_of(c: &local::LocalCluster, role: Role, node: Option<&str>) -> Result<u32> {
+    c.state
+        .processes
+        .iter()
+        .find(|p| p.role == role && p.node.as_deref() == node)
+        .map(|p| p.pid)
+        .with_context(|| format!("no {} process for {node:?}", role.as_str()))
+}
+
+impl Bed {
+    /// Brings the cluster up with `extra` YAML (in `extra.yaml`) beside the
+    /// pods; the pods get a wide ephemeral port range and `tcp_tw_reuse`
+    /// (tens of thousands of connections from one client IP), and a short
+    /// conntrack TIME_WAIT (see [`tune_pod`]).
+    pub async fn start(bins: &Path, extra: &str) -> Result<Bed> {
+        let config = tempfile::tempdir()?;
+        std::fs::write(config.path().join("pods.yaml"), self::config(""))?;
+        std::fs::write(config.path().join("extra.yaml"), extra)?;
+        let state = tempfile::tempdir()?;
+        let mut opts = UpOptions::new(config.path(), bins);
+        opts.name = format!("ld{:05x}", rand::random::<u32>() & 0xfffff);
+        opts.state_dir = Some(state.path().join("state"));
+        let up = {
+            let opts = opts.clone();
+            tokio::task::spawn_blocking(move || local::up(&opts)).await?
+        };
+        let cluster = up.context("local up")?.down_on_drop();
+        let client = pod(&cluster, &format!("{NS}/client"), 0)?;
+        let server = pod(&cluster, &format!("{NS}/server"), 1)?;
+        for p in [&client, &server] {
+            tune_pod(p);
+        }
+        let cs = cluster.control().context("no control plane")?.clone();
+        let node1 = cluster
+            .nodes()
+            .iter()
+            .find(|n| n.name == "node-1")
+            .context("no node-1")?
+            .clone();
+        Ok(Bed {
+            zt_src: pid_of(&cluster, Role::Ztunnel, Some("node-1"))?,
+            zt_dst: pid_of(&cluster, Role::Ztunnel, Some("node-2"))?,
+            control: pid_of(&cluster, Role::Control, None)?,
+            xds_tls: cs.xds_tls_addr,
+            root_cert: cs.data_dir.join("ca").join("root-cert.pem"),
+            token_node1: node1.token_file,
+            bins: bins.to_path_buf(),
+            cluster,
+            client,
+            server,
+            config,
+            _state: state,
+        })
+    }
+
+    /// Rewrites the pods' file with `labels` (e.g. `", churn: \"3\""`)
+    /// added to the server pod's labels.
+    pub fn set_server_labels(&self, labels: &str) -> Result<()> {
+        ambit_tests::write_atomic(&self.config.path().join("pods.yaml"), &config(labels))
+    }
+
+    /// Writes `name` in the served config directory.
+    pub fn write_config(&self, name: &str, yaml: &str) -> Result<()> {
+        ambit_tests::write_atomic(&self.config.path().join(name), yaml)
+    }
+
+    /// Memory of (source ztunnel, destination ztunnel, control plane).
+    pub fn mem(&self) -> [Mem; 3] {
+        [
+            dpload::mem(self.zt_src),
+            dpload::mem(self.zt_dst),
+            dpload::mem(self.control),
+        ]
+    }
+
+    /// The echo app in `mesh/server`'s `port`.
+    pub fn echo_addr(&self) -> SocketAddr {
+        self.server.addr(ECHO_PORT)
+    }
+
+    /// A client TLS config presenting `mesh/client`'s certificate (issued
+    /// by the control plane's CA for node-1's token) and pinning
+    /// `mesh/server`'s identity, resumption off: what the source ztunnel
+    /// uses to dial the server pod's 15008.
+    pub async fn hbone_tls(&self) -> Result<Arc<rustls::ClientConfig>> {
+        let mut cfg = ambit_ztunnel::Config::new("node-1", format!("https://{}", self.xds_tls));
+        cfg.token_file = Some(self.token_node1.clone());
+        cfg.root_cert = Some(self.root_cert.clone());
+        let certs = CertificateManager::from_config(&cfg)?;
+        let client = Identity::new("cluster.local", NS, "client");
+        let server = Identity::new("cluster.local", NS, "server");
+        let cert = tokio::time::timeout(Duration::from_secs(20), certs.fetch(&client))
+            .await
+            .context("client certificate")??;
+        let bundle = certs.trust_bundle().borrow().clone();
+        let mut tls = client_config(&cert, &bundle, server)?;
+        tls.resumption = rustls::client::Resumption::disabled();
+        Ok(Arc::new(tls))
+    }
+
+    /// Takes the cluster down now, reporting failures.
+    pub fn down(self) -> Result<()> {
+        self.cluster.down().context("local down")?;
+        Ok(())
+    }
+}
+
+/// Ephemeral ports 16000–65000 and `tcp_tw_reuse` in the pod: a client
+/// making tens of thousands of connections to one address from one IP
+/// needs both (see the data-plane section of benches/README.md). The
+/// conntrack TIME_WAIT is lowered from 120 to 10 s in the pod: the capture
+/// (REDIRECT) tracks every connection, the table (262,144 entries,
+/// shared by the host) would fill at ~2,000 new connections/s sustained.
+pub fn tune_pod(p: &PodNet) {
+    for (key, value) in [
+        ("net/ipv4/ip_local_port_range", "16000 65000"),
+        ("net/ipv4/tcp_tw_reuse", "1"),
+        ("net/netfilter/nf_conntrack_tcp_timeout_time_wait", "10"),
+        ("net/core/somaxconn", "16384"),
+        ("net/ipv4/tcp_max_syn_backlog", "16384"),
+    ] {
+        if let Err(e) = netbed::sysctl(&p.netns, key, value) {
+            println!("  (pod {}: cannot set {key}: {e:#})", p.name);
+        }
+    }
+}
+
+/// TCP sockets in `pod`'s netns: (established, time-wait) from
+/// `/proc/net/sockstat` (`inuse`, `tw`).
+pub fn sockets(pod: &PodNet) -> Result<(u64, u64)> {
+    let sockstat = pod
+        .open()?
+        .run_in(|| std::fs::read_to_string("/proc/thread-self/net/sockstat"))?;
+    let line = sockstat
+        .lines()
+        .find_map(|l| l.strip_prefix("TCP:"))
+        .context("no TCP line in sockstat")?;
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let field = |name: &str| {
+        words
+            .iter()
+            .position(|w| *w == name)
+            .and_then(|i| words.get(i + 1)?.parse().ok())
+            .unwrap_or(0)
+    };
+    Ok((field("inuse"), field("tw")))
+}
+
+/// Percentiles (µs) of sorted ns samples: `p50 / p90 / p99 / max`.
+pub fn pcts(sorted: &[u64]) -> String {
+    if sorted.is_empty() {
+        return "-".into();
+    }
+    let p = |q| dpload::percentile(sorted, q);
+    let fmt = |us: f64| {
+        if us >= 10_000.0 {
+            format!("{:.0} ms", us / 1e3)
+        } else if us >= 1000.0 {
+            format!("{:.1} ms", us / 1e3)
+        } else {
+            format!("{us:.0} µs")
+        }
+    };
+    format!(
+        "{} / {} / {} / {}",
+        fmt(p(0.5)),
+        fmt(p(0.9)),
+        fmt(p(0.99)),
+        fmt(p(1.0))
+    )
+}
