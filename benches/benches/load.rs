@@ -26,8 +26,11 @@
 //! comma-separated list of variants; default `1,200`), `--kinds
 //! tcp,tls-stalled,tls-idle` (c). Needs root, `ip`, `iptables` and the
 //! CNI reference plugins (prints SKIP otherwise). The bench raises its
-//! RLIMIT_NOFILE to 262,144 (soft and hard; root may) before starting the
-//! bed, and the processes of the bed inherit it.
+//! RLIMIT_NOFILE to 262,144 (soft and hard) where it may (root with
+//! CAP_SYS_RESOURCE), else its soft limit to the hard one, before starting
+//! the bed; the bed's processes inherit it. The echo app runs in a process
+//! of its own (this binary re-executed in the server pod) so the two ends
+//! of 10,000 connections do not share one file limit.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -36,12 +39,6 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[path = "load/bed.rs"]
 mod bed;
-#[allow(dead_code)]
-#[path = "dataplane/child.rs"]
-mod child;
-#[allow(dead_code)]
-#[path = "dataplane/bed.rs"]
-mod dpbed;
 #[allow(dead_code)]
 #[path = "dataplane/load.rs"]
 mod dpload;
@@ -171,6 +168,9 @@ impl Opts {
 }
 
 fn main() -> Result<()> {
+    if std::env::var("AMBIT_LOAD_ROLE").as_deref() == Ok(bed::ECHO_ROLE) {
+        return bed::echo_main();
+    }
     if std::env::args().any(|a| a == "--list") {
         return Ok(()); // `cargo test --benches` discovery
     }
@@ -181,13 +181,15 @@ fn main() -> Result<()> {
     let Some(bins) = bed::binaries()? else {
         return Ok(());
     };
-    let nofile = bed::raise_nofile(262_144)?;
-    println!("RLIMIT_NOFILE raised to {nofile} (soft and hard); the bed's processes inherit it");
-    println!("machine: {}", bed::machine_state());
+    let (soft, hard) = bed::raise_nofile(262_144)?;
+    println!(
+        "RLIMIT_NOFILE {soft} (hard {hard}); the bed's processes (control plane, ztunnels) inherit it"
+    );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
+    println!("machine: {}", rt.block_on(bed::machine_state()));
     for phase in opts.phases.clone() {
         println!("\n# phase {phase}\n");
         let t = std::time::Instant::now();
@@ -204,7 +206,7 @@ fn main() -> Result<()> {
             "\nphase {phase}: {} in {:.0} s; machine after: {}",
             if r.is_ok() { "done" } else { "FAILED" },
             t.elapsed().as_secs_f64(),
-            bed::machine_state()
+            rt.block_on(bed::machine_state())
         );
         r?;
     }

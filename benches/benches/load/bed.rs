@@ -67,22 +67,21 @@ pub fn binaries() -> Result<Option<PathBuf>> {
     Ok(Some(bins))
 }
 
-/// Raises RLIMIT_NOFILE (soft and hard) to at least `n`; returns the soft
-/// limit in effect.
-pub fn raise_nofile(n: u64) -> Result<u64> {
+/// Raises RLIMIT_NOFILE to `n` (soft and hard: needs CAP_SYS_RESOURCE
+/// beyond the hard limit), else the soft limit to the hard one; returns
+/// (soft, hard) in effect.
+pub fn raise_nofile(n: u64) -> Result<(u64, u64)> {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
     let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
-    if soft < n {
-        let hard = hard.max(n);
-        setrlimit(Resource::RLIMIT_NOFILE, n, hard)
-            .context("raising RLIMIT_NOFILE (needs root beyond the hard limit)")?;
+    if soft < n && setrlimit(Resource::RLIMIT_NOFILE, n, hard.max(n)).is_err() {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
     }
-    Ok(getrlimit(Resource::RLIMIT_NOFILE)?.0)
+    Ok(getrlimit(Resource::RLIMIT_NOFILE)?)
 }
 
 /// Load average, CPUs, available memory, and how busy the CPUs were over
-/// the last second.
-pub fn machine_state() -> String {
+/// half a second.
+pub async fn machine_state() -> String {
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let load: Vec<&str> = load.split_whitespace().take(3).collect();
     let avail = std::fs::read_to_string("/proc/meminfo")
@@ -92,7 +91,7 @@ pub fn machine_state() -> String {
         .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
         .unwrap_or(0);
     let busy0 = dpload::machine_busy_secs();
-    std::thread::sleep(Duration::from_millis(500));
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let busy = (dpload::machine_busy_secs() - busy0) / 0.5;
     format!(
         "load average {}, {} CPUs, {:.0} % of a CPU busy over 0.5 s, {:.1} GiB available",
@@ -244,11 +243,121 @@ impl Bed {
         Ok(Arc::new(tls))
     }
 
-    /// Takes the cluster down now, reporting failures.
-    pub fn down(self) -> Result<()> {
-        self.cluster.down().context("local down")?;
+    /// Takes the cluster down now (on a blocking thread), reporting
+    /// failures.
+    pub async fn down(self) -> Result<()> {
+        tokio::task::spawn_blocking(move || {
+            let Bed {
+                cluster,
+                config,
+                _state,
+                ..
+            } = self;
+            // The state and config dirs go after the cluster.
+            let r = cluster.down();
+            drop((config, _state));
+            r
+        })
+        .await?
+        .context("local down")?;
         Ok(())
     }
+}
+
+/// Value of `AMBIT_LOAD_ROLE` that makes this binary the echo app.
+pub const ECHO_ROLE: &str = "echo";
+
+/// The echo app in its own process (this binary re-executed inside the
+/// server pod's netns), so its sockets count against its own file limit:
+/// 10,000 connections through the mesh are 10,000 sockets at each end.
+/// Stopped (stdin closed, then killed) on drop.
+pub struct EchoChild {
+    child: tokio::process::Child,
+}
+
+impl Bed {
+    /// Starts the echo app on [`ECHO_PORT`] in `mesh/server`.
+    pub async fn echo(&self) -> Result<EchoChild> {
+        use tokio::io::AsyncBufReadExt;
+        let mut child = tokio::process::Command::new("ip")
+            .args(["netns", "exec", &self.server.netns])
+            .arg(std::env::current_exe()?)
+            .env("AMBIT_LOAD_ROLE", ECHO_ROLE)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting the echo app")?;
+        let out = child.stdout.take().context("echo stdout")?;
+        let mut line = String::new();
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            tokio::io::BufReader::new(out).read_line(&mut line),
+        )
+        .await
+        .context("the echo app did not start")??;
+        if line.trim() != "READY" {
+            anyhow::bail!("the echo app said {line:?}");
+        }
+        Ok(EchoChild { child })
+    }
+}
+
+impl Drop for EchoChild {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.start_kill();
+    }
+}
+
+/// The echo app's main: echoes on every connection until EOF, then closes;
+/// stops when stdin closes.
+pub fn echo_main() -> Result<()> {
+    use std::io::Write;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let l = tokio::net::TcpListener::bind(("0.0.0.0", ECHO_PORT)).await?;
+        {
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "READY")?;
+            out.flush()?;
+        }
+        let stdin_closed = tokio::task::spawn_blocking(|| {
+            let mut buf = [0u8; 64];
+            let mut stdin = std::io::stdin();
+            while std::io::Read::read(&mut stdin, &mut buf).is_ok_and(|n| n > 0) {}
+        });
+        let serve = async {
+            loop {
+                match l.accept().await {
+                    Ok((mut s, _)) => {
+                        let _ = s.set_nodelay(true);
+                        tokio::spawn(async move {
+                            let mut buf = [0u8; 512];
+                            while let Ok(n) = s.read(&mut buf).await {
+                                if n == 0 || s.write_all(&buf[..n]).await.is_err() {
+                                    break;
+                                }
+                            }
+                            let _ = s.shutdown().await;
+                        });
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                }
+            }
+        };
+        tokio::select! {
+            _ = stdin_closed => {}
+            () = serve => {}
+        }
+        anyhow::Ok(())
+    })?;
+    rt.shutdown_background();
+    Ok(())
 }
 
 /// Ephemeral ports 16000–65000 and `tcp_tw_reuse` in the pod: a client
@@ -273,10 +382,8 @@ pub fn tune_pod(p: &PodNet) {
 
 /// TCP sockets in `pod`'s netns: (established, time-wait) from
 /// `/proc/net/sockstat` (`inuse`, `tw`).
-pub fn sockets(pod: &PodNet) -> Result<(u64, u64)> {
-    let sockstat = pod
-        .open()?
-        .run_in(|| std::fs::read_to_string("/proc/thread-self/net/sockstat"))?;
+pub async fn sockets(pod: &PodNet) -> Result<(u64, u64)> {
+    let sockstat = read_in(pod, "/proc/thread-self/net/sockstat").await?;
     let line = sockstat
         .lines()
         .find_map(|l| l.strip_prefix("TCP:"))
@@ -290,6 +397,13 @@ pub fn sockets(pod: &PodNet) -> Result<(u64, u64)> {
             .unwrap_or(0)
     };
     Ok((field("inuse"), field("tw")))
+}
+
+/// Reads `path` (a `/proc/thread-self/net/...` file) inside `pod`'s netns,
+/// on a blocking thread.
+pub async fn read_in(pod: &PodNet, path: &'static str) -> Result<String> {
+    let ns = pod.open()?;
+    Ok(tokio::task::spawn_blocking(move || ns.run_in(|| std::fs::read_to_string(path))).await??)
 }
 
 /// Percentiles (µs) of sorted ns samples: `p50 / p90 / p99 / max`.

@@ -113,10 +113,8 @@ async fn alive(conns: &mut [TcpStream]) -> usize {
 }
 
 /// Established TCP sockets in `pod`'s netns whose local port is `port`.
-pub fn established_on(pod: &PodNet, port: u16) -> Result<usize> {
-    let tcp = pod
-        .open()?
-        .run_in(|| std::fs::read_to_string("/proc/thread-self/net/tcp"))?;
+pub async fn established_on(pod: &PodNet, port: u16) -> Result<usize> {
+    let tcp = bed::read_in(pod, "/proc/thread-self/net/tcp").await?;
     let want = format!(":{port:04X}");
     Ok(tcp
         .lines()
@@ -151,13 +149,13 @@ fn row(what: &str, before: &Mem, held: &Mem, closed: &Mem, n: usize) {
 pub async fn run(bins: &std::path::Path, opts: &Opts) -> Result<()> {
     let bed = Bed::start(bins, "").await?;
     let r = run_on(&bed, opts).await;
-    bed.down()?;
+    bed.down().await?;
     r
 }
 
 async fn run_on(bed: &Bed, opts: &Opts) -> Result<()> {
     let n = opts.conns;
-    let _echo = crate::dpbed::echo(&bed.server, ECHO_PORT)?;
+    let _echo = bed.echo().await?;
     let dst = bed.echo_addr();
     let sockets = NetnsSockets::spawn(&bed.client.open()?)?;
     // The first connection: certificates, the HBONE pool, first buffers.
@@ -184,7 +182,7 @@ async fn run_on(bed: &Bed, opts: &Opts) -> Result<()> {
     }
     tokio::time::sleep(opts.hold).await;
     let held = bed.mem();
-    let hbone = established_on(&bed.server, 15008)?;
+    let hbone = established_on(&bed.server, 15008).await?;
     let t = Instant::now();
     let ok = alive(&mut app.conns).await;
     println!(
@@ -213,7 +211,7 @@ async fn run_on(bed: &Bed, opts: &Opts) -> Result<()> {
     tokio::time::sleep(opts.hold).await;
     let held_d = bed.mem();
     let usable = direct.conns.iter().filter(|c| c.is_usable()).count();
-    let est = established_on(&bed.server, 15008)?;
+    let est = established_on(&bed.server, 15008).await?;
     println!(
         "after {:.0} s idle: {usable} of {} still usable, {est} established on the server pod's 15008",
         opts.hold.as_secs_f64(),

@@ -16,7 +16,7 @@ use anyhow::{Result, bail};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::Opts;
-use crate::bed::{self, Bed, ECHO_PORT, pcts};
+use crate::bed::{self, Bed, pcts};
 use crate::dpload::{self, cpu_secs};
 
 /// Request and response size.
@@ -156,13 +156,13 @@ pub async fn open_loop(
 pub async fn run(bins: &std::path::Path, opts: &Opts) -> Result<()> {
     let bed = Bed::start(bins, "").await?;
     let r = run_on(&bed, opts).await;
-    bed.down()?;
+    bed.down().await?;
     r
 }
 
 async fn run_on(bed: &Bed, opts: &Opts) -> Result<()> {
     let dur = opts.duration.unwrap_or(Duration::from_secs(60));
-    let _echo = crate::dpbed::echo(&bed.server, ECHO_PORT)?;
+    let _echo = bed.echo().await?;
     let dst = bed.echo_addr();
     let sockets = NetnsSockets::spawn(&bed.client.open()?)?;
     for _ in 0..200 {
@@ -173,10 +173,10 @@ async fn run_on(bed: &Bed, opts: &Opts) -> Result<()> {
         println!(
             "{rate:.0} new connections/s for {:.0} s ... (machine: {})",
             dur.as_secs_f64(),
-            bed::machine_state()
+            bed::machine_state().await
         );
         let r = open_loop(bed, &sockets, dst, rate, dur).await?;
-        let (_, tw) = bed::sockets(&bed.client)?;
+        let (_, tw) = bed::sockets(&bed.client).await?;
         println!(
             "  {} ok, {} failed {:?}{}; {:.0}/s completed; client pod TIME_WAIT {tw}",
             r.ok.len(),

@@ -27,7 +27,7 @@ use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
 use crate::Opts;
-use crate::bed::{self, Bed, ECHO_PORT, NS, mib};
+use crate::bed::{self, Bed, NS, mib};
 use crate::dpload::Mem;
 use crate::rate;
 
@@ -180,13 +180,13 @@ pub fn slope(points: &[(f64, f64)]) -> f64 {
 pub async fn run(bins: &std::path::Path, opts: &Opts) -> Result<()> {
     let bed = Bed::start(bins, &extra(false, false)).await?;
     let r = run_on(&bed, opts).await;
-    bed.down()?;
+    bed.down().await?;
     r
 }
 
 async fn run_on(bed: &Bed, opts: &Opts) -> Result<()> {
     let dur = opts.duration.unwrap_or(Duration::from_secs(30 * 60));
-    let _echo = crate::dpbed::echo(&bed.server, ECHO_PORT)?;
+    let _echo = bed.echo().await?;
     let dst = bed.echo_addr();
     let sockets = NetnsSockets::spawn(&bed.client.open()?)?;
     for _ in 0..20 {
@@ -197,7 +197,7 @@ async fn run_on(bed: &Bed, opts: &Opts) -> Result<()> {
         "soak for {:.0} s, config change every {:.1} s; machine: {}",
         dur.as_secs_f64(),
         opts.churn.as_secs_f64(),
-        bed::machine_state()
+        bed::machine_state().await
     );
     let stop = Arc::new(AtomicBool::new(false));
     let (long, rr, new) = (
@@ -307,7 +307,7 @@ async fn run_on(bed: &Bed, opts: &Opts) -> Result<()> {
     println!(
         "\n{:.0} s, {changes} config changes ({churn_errors} failed to write), machine after: {}",
         secs,
-        bed::machine_state()
+        bed::machine_state().await
     );
     println!("\n| traffic | result |");
     println!("|---|---|");

@@ -225,7 +225,7 @@ fn ms(d: Option<Duration>) -> String {
 pub async fn run(bins: &Path, opts: &Opts) -> Result<()> {
     let bed = Bed::start(bins, "").await?;
     let r = run_on(&bed, opts).await;
-    bed.down()?;
+    bed.down().await?;
     r
 }
 
@@ -271,7 +271,7 @@ async fn run_on(bed: &Bed, opts: &Opts) -> Result<()> {
                 opts.conns,
                 if sources == 1 { "" } else { "es" }
             );
-            println!("\n{what} (machine: {})", bed::machine_state());
+            println!("\n{what} (machine: {})", bed::machine_state().await);
             let before = dpload::mem(bed.control);
             let cpu0 = dpload::cpu_secs(bed.control);
             let stats = Arc::new(Stats::default());
