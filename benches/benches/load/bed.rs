@@ -20,8 +20,9 @@ pub const ECHO_PORT: u16 = 7000;
 /// Namespace of the pods.
 pub const NS: &str = "mesh";
 
-/// The bed's pods; `extra` is appended (policies, services).
-fn config(labels: &str) -> String {
+/// The bed's pods; the server's `version` label is `version` (changing it
+/// gives the server's workload a new canonical revision: a push).
+fn config(version: &str) -> String {
     format!(
         "\
 apiVersion: v1
@@ -36,7 +37,7 @@ status: {{podIP: 10.10.1.10}}
 ---
 apiVersion: v1
 kind: Pod
-metadata: {{name: server, namespace: {NS}, uid: uid-server, labels: {{app: server{labels}}}}}
+metadata: {{name: server, namespace: {NS}, uid: uid-server, labels: {{app: server, version: \"{version}\"}}}}
 spec: {{nodeName: node-2, serviceAccountName: server}}
 status: {{podIP: 10.10.2.10}}
 "
@@ -124,6 +125,7 @@ pub struct Bed {
     pub zt_dst: u32,
     pub control: u32,
     pub xds_tls: SocketAddr,
+    pub monitoring: SocketAddr,
     pub root_cert: PathBuf,
     /// node-1's bootstrap token file.
     pub token_node1: PathBuf,
@@ -159,7 +161,7 @@ impl Bed {
     /// conntrack TIME_WAIT (see [`tune_pod`]).
     pub async fn start(bins: &Path, extra: &str) -> Result<Bed> {
         let config = tempfile::tempdir()?;
-        std::fs::write(config.path().join("pods.yaml"), self::config(""))?;
+        std::fs::write(config.path().join("pods.yaml"), self::config("v0"))?;
         std::fs::write(config.path().join("extra.yaml"), extra)?;
         let state = tempfile::tempdir()?;
         let mut opts = UpOptions::new(config.path(), bins);
@@ -187,6 +189,7 @@ impl Bed {
             zt_dst: pid_of(&cluster, Role::Ztunnel, Some("node-2"))?,
             control: pid_of(&cluster, Role::Control, None)?,
             xds_tls: cs.xds_tls_addr,
+            monitoring: cs.monitoring_addr,
             root_cert: cs.data_dir.join("ca").join("root-cert.pem"),
             token_node1: node1.token_file,
             bins: bins.to_path_buf(),
@@ -198,10 +201,21 @@ impl Bed {
         })
     }
 
-    /// Rewrites the pods' file with `labels` (e.g. `", churn: \"3\""`)
-    /// added to the server pod's labels.
-    pub fn set_server_labels(&self, labels: &str) -> Result<()> {
-        ambit_tests::write_atomic(&self.config.path().join("pods.yaml"), &config(labels))
+    /// Rewrites the pods' file with the server's `version` label set to
+    /// `version`.
+    pub fn set_server_version(&self, version: &str) -> Result<()> {
+        ambit_tests::write_atomic(&self.config.path().join("pods.yaml"), &config(version))
+    }
+
+    /// xDS responses the control plane pushed so far
+    /// (`pilot_xds_pushes_total`).
+    pub async fn pushes(&self) -> Result<f64> {
+        let text = ambit_tests::get(self.monitoring, "/metrics").await?;
+        Ok(ambit_tests::meshbed::metric_sum(
+            &text,
+            "pilot_xds_pushes_total",
+            &[],
+        ))
     }
 
     /// Writes `name` in the served config directory.

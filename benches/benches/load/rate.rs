@@ -65,6 +65,9 @@ pub fn kind(e: &anyhow::Error) -> String {
 #[derive(Default)]
 pub struct Run {
     pub target: f64,
+    /// The schedule's length.
+    pub window: f64,
+    /// Until the last connection ended.
     pub secs: f64,
     pub scheduled: u64,
     pub ok: Vec<u64>,
@@ -125,6 +128,7 @@ pub async fn open_loop(
     drop(tx);
     let mut run = Run {
         target: rate,
+        window: dur.as_secs_f64(),
         scheduled: total,
         ..Run::default()
     };
@@ -186,7 +190,7 @@ async fn run_on(bed: &Bed, opts: &Opts) -> Result<()> {
                 .as_ref()
                 .map(|e| format!(" (first: {e})"))
                 .unwrap_or_default(),
-            r.ok.len() as f64 / r.secs
+            r.ok.len() as f64 / r.window
         );
         runs.push(r);
         // Let the TIME_WAITs of the run age out of conntrack (10 s, see
@@ -195,7 +199,7 @@ async fn run_on(bed: &Bed, opts: &Opts) -> Result<()> {
     }
     let m = bed.mem();
     println!(
-        "\n| target rate | duration | completed/s | failed | latency from schedule p50 / p90 / p99 / max | ztunnel CPU src + dst (cores) | ztunnel CPU per connection | control / bench process / machine (cores) |"
+        "\n(completed/s: successful connections over the schedule's length; CPU over the run until the last connection ended)\n| target rate | duration | completed/s | failed | latency from schedule p50 / p90 / p99 / max | ztunnel CPU src + dst (cores) | ztunnel CPU per connection | control / bench process / machine (cores) |"
     );
     println!("|---|---|---|---|---|---|---|---|");
     for r in &runs {
@@ -203,8 +207,8 @@ async fn run_on(bed: &Bed, opts: &Opts) -> Result<()> {
         println!(
             "| {:.0}/s | {:.0} s | **{:.0}/s** | **{}** of {} | {} | {:.2} + {:.2} | {:.0} µs | {:.2} / {:.2} / {:.2} |",
             r.target,
-            r.secs,
-            r.ok.len() as f64 / r.secs,
+            r.window,
+            r.ok.len() as f64 / r.window,
             r.failed(),
             r.scheduled,
             pcts(&r.ok),

@@ -10,9 +10,10 @@
 //!
 //! Churn, in turn: an ALLOW AuthorizationPolicy on the server (allowing the
 //! client's identity, so traffic stays allowed; live connections are
-//! re-checked) added or removed; the server pod's `churn` label changed
-//! (a new workload version); a Service selecting the server added or
-//! removed.
+//! re-checked) added or removed; the server pod's `version` label changed
+//! (a new canonical revision: a new workload version); a Service selecting
+//! the server added or removed. Each is pushed to both ztunnels (the
+//! control plane's `pilot_xds_pushes_total` is reported).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -240,6 +241,7 @@ async fn run_on(bed: &Bed, opts: &Opts) -> Result<()> {
         });
     }
 
+    let pushes0 = bed.pushes().await?;
     let start = Instant::now();
     let mut samples: Vec<(f64, [Mem; 3])> = vec![(0.0, bed.mem())];
     let mut next_sample = start + SAMPLE;
@@ -259,7 +261,7 @@ async fn run_on(bed: &Bed, opts: &Opts) -> Result<()> {
                     policy = !policy;
                     bed.write_config("extra.yaml", &extra(policy, service))
                 }
-                1 => bed.set_server_labels(&format!(", churn: \"{changes}\"")),
+                1 => bed.set_server_version(&format!("v{changes}")),
                 _ => {
                     service = !service;
                     bed.write_config("extra.yaml", &extra(policy, service))
@@ -303,9 +305,10 @@ async fn run_on(bed: &Bed, opts: &Opts) -> Result<()> {
     stop.store(true, Ordering::Relaxed);
     while tasks.join_next().await.is_some() {}
     let secs = start.elapsed().as_secs_f64();
+    let pushes = bed.pushes().await? - pushes0;
 
     println!(
-        "\n{:.0} s, {changes} config changes ({churn_errors} failed to write), machine after: {}",
+        "\n{:.0} s, {changes} config changes ({churn_errors} failed to write), {pushes:.0} xDS responses pushed, machine after: {}",
         secs,
         bed::machine_state().await
     );
