@@ -13,19 +13,23 @@
 //! at most [`MAX_HANDSHAKES_PER_SOURCE`] unauthenticated connections and the
 //! listener [`MAX_HANDSHAKES`] in all: a flood of idle connections — silent
 //! TCP, a stalled handshake, or a finished handshake with nothing after it —
-//! cannot grow without bound nor starve the others.
+//! cannot grow without bound. When the listener is full, a newcomer from a
+//! source holding fewer than the busiest source evicts that source's oldest
+//! unauthenticated connection, so a flood from many addresses cannot lock
+//! out a proxy that connects once.
 
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use futures::task::AtomicWaker;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
@@ -128,6 +132,8 @@ pub struct TlsConnection {
     inner: TlsStream<TcpStream>,
     info: TlsPeer,
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// While unauthenticated: set when the listener evicts it.
+    eviction: Option<Arc<Eviction>>,
 }
 
 impl Connected for TlsConnection {
@@ -157,46 +163,131 @@ pub fn peer_identity<T>(req: &tonic::Request<T>) -> Option<&crate::ca::SpiffeId>
     req.extensions().get::<TlsPeer>()?.identity.as_ref()
 }
 
-/// Handshakes in flight, per source IP and in all.
+/// Unauthenticated connections, per source IP (oldest first) and in all.
 #[derive(Default)]
 struct InFlight {
-    by_source: Mutex<HashMap<IpAddr, usize>>,
+    table: Mutex<Table>,
 }
 
-/// One admitted handshake; releases its place when dropped.
+#[derive(Default)]
+struct Table {
+    by_source: HashMap<IpAddr, VecDeque<(u64, Arc<Eviction>)>>,
+    total: usize,
+    next_id: u64,
+}
+
+/// Set when the listener closes an unauthenticated connection to make room
+/// for one from a source holding fewer.
+#[derive(Default)]
+struct Eviction {
+    evicted: AtomicBool,
+    waker: AtomicWaker,
+}
+
+impl Eviction {
+    fn evict(&self) {
+        self.evicted.store(true, Ordering::Release);
+        self.waker.wake();
+    }
+
+    /// Whether evicted; else wakes `cx` when it is.
+    fn poll_evicted(&self, cx: &mut Context<'_>) -> bool {
+        self.waker.register(cx.waker());
+        self.evicted.load(Ordering::Acquire)
+    }
+}
+
+/// One admitted connection; releases its place when dropped.
 struct Admitted {
     table: Arc<InFlight>,
     ip: IpAddr,
+    id: u64,
+    eviction: Arc<Eviction>,
+}
+
+/// What [`InFlight::admit`] decided.
+enum Admission {
+    Admitted(Admitted),
+    /// Admitted after evicting the oldest connection of `from`.
+    Evicted(Admitted, IpAddr),
+    Refused,
 }
 
 impl InFlight {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, usize>> {
-        self.by_source.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn admit(self: &Arc<Self>, ip: IpAddr, limits: &Limits) -> Option<Admitted> {
-        let mut map = self.lock();
-        let total: usize = map.values().sum();
-        let n = map.entry(ip).or_default();
-        if *n >= limits.per_source || total >= limits.total {
-            return None;
+    /// Admits a connection from `ip` unless its source is at
+    /// `limits.per_source`. When the listener is at `limits.total`, makes
+    /// room by evicting the oldest connection of the source holding the
+    /// most — only if that source holds more than `ip` does — so a flood
+    /// from many addresses cannot lock out a source that holds few (a
+    /// proxy connecting once).
+    fn admit(self: &Arc<Self>, ip: IpAddr, limits: &Limits) -> Admission {
+        let mut t = self.lock();
+        let held = t.by_source.get(&ip).map_or(0, VecDeque::len);
+        if held >= limits.per_source {
+            return Admission::Refused;
         }
-        *n += 1;
-        Some(Admitted {
+        let mut evicted = None;
+        if t.total >= limits.total {
+            let busiest = t
+                .by_source
+                .iter()
+                .map(|(ip, q)| (*ip, q.len()))
+                .max_by_key(|(_, n)| *n);
+            match busiest {
+                Some((victim, n)) if n > held => {
+                    if let Some(q) = t.by_source.get_mut(&victim) {
+                        if let Some((_, e)) = q.pop_front() {
+                            e.evict();
+                        }
+                        if q.is_empty() {
+                            t.by_source.remove(&victim);
+                        }
+                    }
+                    t.total = t.total.saturating_sub(1);
+                    evicted = Some(victim);
+                }
+                _ => return Admission::Refused,
+            }
+        }
+        let id = t.next_id;
+        t.next_id += 1;
+        let eviction = Arc::new(Eviction::default());
+        t.by_source
+            .entry(ip)
+            .or_default()
+            .push_back((id, eviction.clone()));
+        t.total += 1;
+        let admitted = Admitted {
             table: self.clone(),
             ip,
-        })
+            id,
+            eviction,
+        };
+        match evicted {
+            Some(from) => Admission::Evicted(admitted, from),
+            None => Admission::Admitted(admitted),
+        }
     }
 }
 
 impl Drop for Admitted {
     fn drop(&mut self) {
-        let mut map = self.table.lock();
-        if let Some(n) = map.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                map.remove(&self.ip);
+        let mut t = self.table.lock();
+        let Some(q) = t.by_source.get_mut(&self.ip) else {
+            return;
+        };
+        // Absent when it was evicted (already uncounted).
+        if let Some(pos) = q.iter().position(|(id, _)| *id == self.id) {
+            q.remove(pos);
+            let empty = q.is_empty();
+            if empty {
+                t.by_source.remove(&self.ip);
             }
+            t.total = t.total.saturating_sub(1);
         }
     }
 }
@@ -210,6 +301,13 @@ impl AsyncRead for TlsConnection {
         if self.deadline.is_some() {
             if self.info.auth.is_authenticated() {
                 self.deadline = None;
+                self.eviction = None;
+            } else if self.eviction.as_ref().is_some_and(|e| e.poll_evicted(cx)) {
+                debug!(peer = ?self.info.tcp.remote_addr, "unauthenticated gRPC TLS connection evicted to make room for another source");
+                return Poll::Ready(Err(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionReset,
+                    "evicted: too many unauthenticated connections",
+                )));
             } else if let Some(d) = self.deadline.as_mut()
                 && d.as_mut().poll(cx).is_ready()
             {
@@ -278,6 +376,7 @@ pub fn incoming_with(
     let in_flight = Arc::new(InFlight::default());
     tokio::spawn(async move {
         let mut refused: u64 = 0;
+        let mut evicted: u64 = 0;
         loop {
             let accepted = tokio::select! {
                 r = listener.accept() => r,
@@ -295,15 +394,42 @@ pub fn incoming_with(
             let _ = tcp.set_nodelay(true);
             let acceptor = acceptor.clone();
             let tx = tx.clone();
-            let Some(admitted) = in_flight.admit(peer.ip(), &limits) else {
-                refused += 1;
-                if refused.is_power_of_two() {
-                    tracing::warn!(%peer, refused, "too many TLS handshakes in flight from this source (or in all); closing new connections until they finish");
+            let admitted = match in_flight.admit(peer.ip(), &limits) {
+                Admission::Admitted(a) => a,
+                Admission::Evicted(a, from) => {
+                    evicted += 1;
+                    if evicted.is_power_of_two() {
+                        tracing::warn!(%peer, %from, evicted, "too many unauthenticated TLS connections in all; closed the oldest of the source holding the most to admit this one");
+                    }
+                    a
                 }
-                continue;
+                Admission::Refused => {
+                    refused += 1;
+                    if refused.is_power_of_two() {
+                        tracing::warn!(%peer, refused, "too many unauthenticated TLS connections from this source (or in all); closing new ones until some authenticate or time out");
+                    }
+                    continue;
+                }
             };
             tokio::spawn(async move {
-                match tokio::time::timeout(limits.handshake_timeout, acceptor.accept(tcp)).await {
+                let eviction = admitted.eviction.clone();
+                let handshake =
+                    tokio::time::timeout(limits.handshake_timeout, acceptor.accept(tcp));
+                let evicted = std::future::poll_fn(|cx| {
+                    if eviction.poll_evicted(cx) {
+                        Poll::Ready(())
+                    } else {
+                        Poll::Pending
+                    }
+                });
+                let done = tokio::select! {
+                    r = handshake => r,
+                    () = evicted => {
+                        debug!(%peer, "TLS handshake on the gRPC port evicted to make room for another source");
+                        return;
+                    }
+                };
+                match done {
                     Ok(Ok(inner)) => {
                         let identity = inner
                             .get_ref()
@@ -325,6 +451,7 @@ pub fn incoming_with(
                             inner,
                             info,
                             deadline: Some(deadline),
+                            eviction: Some(eviction),
                         };
                         let _ = tx.send(Ok(conn)).await;
                     }

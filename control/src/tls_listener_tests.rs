@@ -203,3 +203,61 @@ async fn an_authenticated_connection_stays_and_frees_its_place() {
         .expect("echo in time")
         .expect("echo");
 }
+
+/// A TLS connection from `source` (a loopback address).
+async fn tls_from(
+    source: [u8; 4],
+    addr: SocketAddr,
+) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+    let (_, connector) = configs();
+    let sock = tokio::net::TcpSocket::new_v4()?;
+    sock.bind(SocketAddr::from((source, 0)))?;
+    let tcp = sock.connect(addr).await?;
+    let name = ServerName::try_from("localhost").unwrap();
+    tokio::time::timeout(LIMIT, connector.connect(name, tcp))
+        .await
+        .map_err(|_| std::io::Error::other("handshake timed out"))?
+}
+
+#[tokio::test]
+async fn when_full_a_quieter_source_evicts_the_busiest_sources_oldest() {
+    let (addr, _stop) = serve(Limits {
+        handshake_timeout: Duration::from_secs(5),
+        auth_deadline: Duration::from_secs(5),
+        per_source: 8,
+        total: 2,
+    })
+    .await;
+    // A flood from 127.0.0.2 fills the listener.
+    let mut oldest = tls_from([127, 0, 0, 2], addr).await.expect("flood 1");
+    let mut newer = tls_from([127, 0, 0, 2], addr).await.expect("flood 2");
+    // Another connection from the flooding source is refused...
+    if let Ok(mut s) = tls_from([127, 0, 0, 2], addr).await {
+        assert!(
+            closed_within(&mut s, LIMIT).await,
+            "a third from the full source"
+        );
+    }
+    // ...but one from a source holding none gets in, in place of the
+    // flood's oldest, long before any deadline.
+    let mut proxy = tls_from([127, 0, 0, 1], addr)
+        .await
+        .expect("a quieter source is admitted");
+    assert!(
+        closed_within(&mut oldest, Duration::from_secs(2)).await,
+        "the busiest source's oldest connection is evicted"
+    );
+    proxy.write_all(b"auth").await.unwrap();
+    let mut b = [0u8; 4];
+    tokio::time::timeout(LIMIT, proxy.read_exact(&mut b))
+        .await
+        .expect("echo in time")
+        .expect("echo");
+    // The flood's newer connection is still there (not past its deadline).
+    newer.write_all(b"ping").await.unwrap();
+    tokio::time::timeout(LIMIT, newer.read_exact(&mut b))
+        .await
+        .expect("the newer flood connection still served")
+        .expect("echo");
+    assert_eq!(&b, b"ping");
+}

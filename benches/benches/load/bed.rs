@@ -44,15 +44,19 @@ status: {{podIP: 10.10.2.10}}
     )
 }
 
-/// `target/release`, when every binary local mode runs is there; prints
-/// SKIP and returns `None` otherwise.
+/// `target/release` (or `LOAD_BIN_DIR`, e.g. to run another build of one
+/// binary), when every binary local mode runs is there; prints SKIP and
+/// returns `None` otherwise.
 pub fn binaries() -> Result<Option<PathBuf>> {
     let exe = std::env::current_exe()?;
-    let bins: PathBuf = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .context("locating target/release")?
-        .to_path_buf();
+    let bins: PathBuf = match std::env::var_os("LOAD_BIN_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => exe
+            .parent()
+            .and_then(|d| d.parent())
+            .context("locating target/release")?
+            .to_path_buf(),
+    };
     let missing: Vec<_> = local::BINARIES
         .iter()
         .chain(&[local::CONTROLLER_BINARY])
