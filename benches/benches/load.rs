@@ -24,7 +24,9 @@
 //! rate, default 60 s; d: default 30 min; `90`, `90s`, `5m`), `--churn
 //! SECS` (d; default 3), `--sources N` (c: source addresses of the flood,
 //! comma-separated list of variants; default `1,200`), `--kinds
-//! tcp,tls-stalled,tls-idle` (c). Needs root, `ip`, `iptables` and the
+//! tcp,tls-stalled,tls-idle` (c), `--settle SECS` (a: how long RSS is
+//! followed after the last app connections closed, past the HBONE pool's
+//! 60 s idle timeout; default 75). Needs root, `ip`, `iptables` and the
 //! CNI reference plugins (prints SKIP otherwise). The bench raises its
 //! RLIMIT_NOFILE to 262,144 (soft and hard) where it may (root with
 //! CAP_SYS_RESOURCE), else its soft limit to the hard one, before starting
@@ -66,6 +68,7 @@ pub struct Opts {
     pub churn: Duration,
     pub sources: Vec<usize>,
     pub kinds: Vec<String>,
+    pub settle: Duration,
 }
 
 /// `90`, `90s`, `5m`, `1h`, `1.5m`.
@@ -110,6 +113,7 @@ impl Opts {
             churn: Duration::from_secs(3),
             sources: vec![1, 200],
             kinds: vec!["tcp".into(), "tls-stalled".into(), "tls-idle".into()],
+            settle: Duration::from_secs(75),
         };
         let mut set = |key: &str, v: &str| -> Result<()> {
             match key {
@@ -120,12 +124,13 @@ impl Opts {
                 "churn" => o.churn = parse_duration(v)?,
                 "sources" => o.sources = list(v)?,
                 "kinds" => o.kinds = list(v)?,
+                "settle" => o.settle = parse_duration(v)?,
                 _ => bail!("unknown option --{key}"),
             }
             Ok(())
         };
         for key in [
-            "conns", "hold", "rates", "duration", "churn", "sources", "kinds",
+            "conns", "hold", "rates", "duration", "churn", "sources", "kinds", "settle",
         ] {
             if let Ok(v) = std::env::var(key.to_uppercase()) {
                 set(key, &v)?;

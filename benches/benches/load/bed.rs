@@ -211,6 +211,23 @@ impl Bed {
         ambit_tests::write_atomic(&self.config.path().join("pods.yaml"), &config(version))
     }
 
+    /// `(opened, closed)` connections the ztunnel of `node` (`node-1`,
+    /// `node-2`) counted (`istio_tcp_connections_{opened,closed}_total`).
+    pub async fn zt_connections(&self, node: &str) -> Result<(f64, f64)> {
+        let n = self
+            .cluster
+            .nodes()
+            .iter()
+            .find(|n| n.name == node)
+            .with_context(|| format!("no {node}"))?;
+        let text = ambit_tests::get(n.stats_addr, "/metrics").await?;
+        let sum = |name| ambit_tests::meshbed::metric_sum(&text, name, &[]);
+        Ok((
+            sum("istio_tcp_connections_opened_total"),
+            sum("istio_tcp_connections_closed_total"),
+        ))
+    }
+
     /// xDS responses the control plane pushed so far
     /// (`pilot_xds_pushes_total`).
     pub async fn pushes(&self) -> Result<f64> {

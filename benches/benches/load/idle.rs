@@ -147,18 +147,75 @@ fn row(what: &str, before: &Mem, held: &Mem, closed: &Mem, n: usize) {
 }
 
 pub async fn run(bins: &std::path::Path, opts: &Opts) -> Result<()> {
+    // App connections, then direct HBONE connections, each on a fresh bed
+    // so each starts from an idle ztunnel.
     let bed = Bed::start(bins, "").await?;
-    let r = run_on(&bed, opts).await;
+    let app = app_conns(&bed, opts).await;
     bed.down().await?;
-    r
+    let app = app?;
+    let bed = Bed::start(bins, "").await?;
+    let direct = direct_conns(&bed, opts).await;
+    bed.down().await?;
+    let direct = direct?;
+
+    println!(
+        "\n| idle connections | RSS before | RSS held | RSS 5 s after closing | per connection (RSS) |"
+    );
+    println!("|---|---|---|---|---|");
+    for (what, i) in [
+        ("source ztunnel (node-1)", 0),
+        ("destination ztunnel (node-2)", 1),
+    ] {
+        row(
+            &format!("{} app conns via HBONE: {what}", app.opened),
+            &app.before[i],
+            &app.held[i],
+            &app.closed[i],
+            app.opened,
+        );
+    }
+    row(
+        &format!(
+            "{} direct HBONE conns to 15008: destination ztunnel",
+            direct.opened
+        ),
+        &direct.before[1],
+        &direct.held[1],
+        &direct.closed[1],
+        direct.opened,
+    );
+    println!(
+        "\nsecond round of {} app connections on the same ztunnels (opened, held, closed): RSS after closing source {} → {}, destination {} → {} (growth = not reused)",
+        app.opened,
+        mem_cell(&app.closed[0]),
+        mem_cell(&app.closed2[0]),
+        mem_cell(&app.closed[1]),
+        mem_cell(&app.closed2[1]),
+    );
+    println!(
+        "control plane: {} → {}",
+        mem_cell(&app.before[2]),
+        mem_cell(&app.closed2[2])
+    );
+    Ok(())
 }
 
-async fn run_on(bed: &Bed, opts: &Opts) -> Result<()> {
+/// Memory around one kind of idle connections.
+struct Held {
+    opened: usize,
+    before: [Mem; 3],
+    held: [Mem; 3],
+    closed: [Mem; 3],
+    /// After a second round on the same ztunnels.
+    closed2: [Mem; 3],
+}
+
+async fn app_conns(bed: &Bed, opts: &Opts) -> Result<Held> {
     let n = opts.conns;
     let _echo = bed.echo().await?;
     let dst = bed.echo_addr();
     let sockets = NetnsSockets::spawn(&bed.client.open()?)?;
-    // The first connection: certificates, the HBONE pool, first buffers.
+    // The first connections: certificates, the HBONE pool, first buffers.
     for _ in 0..3 {
         drop(app_conn(&sockets, dst).await?);
     }
@@ -170,89 +227,107 @@ async fn run_on(bed: &Bed, opts: &Opts) -> Result<()> {
         mem_cell(&before[1]),
         mem_cell(&before[2])
     );
-
-    // App connections through the mesh.
-    let mut app = open_app(&sockets, dst, n).await;
-    println!(
-        "{n} app connections mesh/client → mesh/server:{ECHO_PORT}: {}",
-        app.summary()
-    );
-    if app.conns.is_empty() {
-        bail!("no app connection opened");
+    let mut held = before;
+    let mut closed = before;
+    let mut opened = 0;
+    for round in 1..=2 {
+        let mut app = open_app(&sockets, dst, n).await;
+        println!(
+            "round {round}: {n} app connections mesh/client → mesh/server:{ECHO_PORT}: {}",
+            app.summary()
+        );
+        if app.conns.is_empty() {
+            bail!("no app connection opened");
+        }
+        tokio::time::sleep(opts.hold).await;
+        let m = bed.mem();
+        let hbone = established_on(&bed.server, 15008).await?;
+        let t = Instant::now();
+        let ok = alive(&mut app.conns).await;
+        println!(
+            "  after {:.0} s idle: {ok} of {} still echo (checked in {:.1} s); {hbone} HBONE \
+             connections node-1 → node-2 carry them; RSS source {} / destination {}",
+            opts.hold.as_secs_f64(),
+            app.conns.len(),
+            t.elapsed().as_secs_f64(),
+            mem_cell(&m[0]),
+            mem_cell(&m[1])
+        );
+        let count = app.conns.len();
+        drop(app);
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let c = bed.mem();
+        if round == 2 {
+            // Does it come back once the pooled HBONE connections idle out?
+            let t = Instant::now();
+            while t.elapsed() < opts.settle {
+                tokio::time::sleep(Duration::from_secs(15)).await;
+                let m = bed.mem();
+                let hbone = established_on(&bed.server, 15008).await?;
+                let (src_open, src_closed) = bed.zt_connections("node-1").await?;
+                let (dst_open, dst_closed) = bed.zt_connections("node-2").await?;
+                let (client_tcp, _) = bed::sockets(&bed.client).await?;
+                let (server_tcp, _) = bed::sockets(&bed.server).await?;
+                println!(
+                    "  {:.0} s after closing: RSS source {} / destination {}; {hbone} HBONE \
+                     connections; ztunnel connections opened/closed source {src_open}/{src_closed}, \
+                     destination {dst_open}/{dst_closed}; TCP sockets in use client pod {client_tcp}, \
+                     server pod {server_tcp}",
+                    t.elapsed().as_secs_f64() + 5.0,
+                    mem_cell(&m[0]),
+                    mem_cell(&m[1])
+                );
+            }
+        }
+        if round == 1 {
+            (held, closed, opened) = (m, c, count);
+        } else {
+            return Ok(Held {
+                opened,
+                before,
+                held,
+                closed,
+                closed2: c,
+            });
+        }
     }
-    tokio::time::sleep(opts.hold).await;
-    let held = bed.mem();
-    let hbone = established_on(&bed.server, 15008).await?;
-    let t = Instant::now();
-    let ok = alive(&mut app.conns).await;
-    println!(
-        "after {:.0} s idle: {ok} of {} still echo (checked in {:.1} s); {hbone} HBONE connections \
-         node-1 → node-2 carry them; peak RSS (VmHWM) source {:.1} / destination {:.1} MiB",
-        opts.hold.as_secs_f64(),
-        app.conns.len(),
-        t.elapsed().as_secs_f64(),
-        bed::mib(held[0].hwm),
-        bed::mib(held[1].hwm)
-    );
-    let opened = app.conns.len();
-    drop(app);
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let closed = bed.mem();
+    unreachable!("two rounds")
+}
 
-    // Direct HBONE connections to the server pod's 15008, no stream.
+async fn direct_conns(bed: &Bed, opts: &Opts) -> Result<Held> {
+    let n = opts.conns;
+    let sockets = NetnsSockets::spawn(&bed.client.open()?)?;
     let tls = bed.hbone_tls().await?;
     let peer = SocketAddr::new(bed.server.ip.into(), 15008);
-    let before_d = bed.mem();
+    // One first, unmeasured (TLS configs, first buffers).
+    drop(open_hbone(&sockets, peer, tls.clone(), 1).await);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = bed.mem();
     let direct = open_hbone(&sockets, peer, tls, n).await;
     println!(
         "{n} direct HBONE connections (TCP + TLS 1.3 + h2, no stream) mesh/client → {peer}: {}",
         direct.summary()
     );
     tokio::time::sleep(opts.hold).await;
-    let held_d = bed.mem();
+    let held = bed.mem();
     let usable = direct.conns.iter().filter(|c| c.is_usable()).count();
     let est = established_on(&bed.server, 15008).await?;
     println!(
-        "after {:.0} s idle: {usable} of {} still usable, {est} established on the server pod's 15008",
+        "  after {:.0} s idle: {usable} of {} still usable, {est} established on the server pod's 15008",
         opts.hold.as_secs_f64(),
         direct.conns.len()
     );
-    let opened_d = direct.conns.len();
+    let opened = direct.conns.len();
     drop(direct);
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let closed_d = bed.mem();
-
-    println!(
-        "\n| idle connections | RSS before | RSS held | RSS 5 s after closing | per connection (RSS) |"
-    );
-    println!("|---|---|---|---|---|");
-    row(
-        &format!("{opened} app conns via HBONE: source ztunnel (node-1)"),
-        &before[0],
-        &held[0],
-        &closed[0],
+    let closed = bed.mem();
+    Ok(Held {
         opened,
-    );
-    row(
-        &format!("{opened} app conns via HBONE: destination ztunnel (node-2)"),
-        &before[1],
-        &held[1],
-        &closed[1],
-        opened,
-    );
-    row(
-        &format!("{opened_d} direct HBONE conns to 15008: destination ztunnel"),
-        &before_d[1],
-        &held_d[1],
-        &closed_d[1],
-        opened_d,
-    );
-    println!(
-        "control plane: {} → {}",
-        mem_cell(&before[2]),
-        mem_cell(&closed_d[2])
-    );
-    Ok(())
+        before,
+        held,
+        closed,
+        closed2: closed,
+    })
 }
 
 /// `n` HBONE connections to `peer` from the client pod (socket marked so
