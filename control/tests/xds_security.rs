@@ -286,16 +286,32 @@ async fn a_stream_flood_from_one_client_is_bounded_in_memory() {
     let _ = first_response(channel.clone(), None).await;
     let before = rss_kib(pid);
 
-    // 20,000 unauthenticated streams from one connection.
-    let refused = futures::stream::iter(0..20_000)
+    // 20,000 unauthenticated streams from one connection. A TLS
+    // connection with no authenticated request is closed 10 s after its
+    // handshake (tls_listener::AUTH_DEADLINE) and the channel reconnects:
+    // streams then in flight end with the connection.
+    let outcomes: Vec<Code> = futures::stream::iter(0..20_000)
         .map(|_| first_response(channel.clone(), None))
         .buffer_unordered(200)
-        .filter(|r| {
-            futures::future::ready(matches!(r, Err(s) if s.code() == Code::Unauthenticated))
-        })
-        .count()
+        .map(|r| r.map_or_else(|s| s.code(), |_| Code::Ok))
+        .collect()
         .await;
-    assert_eq!(refused, 20_000);
+    let refused = outcomes
+        .iter()
+        .filter(|c| **c == Code::Unauthenticated)
+        .count();
+    let mut others: std::collections::BTreeMap<String, usize> = Default::default();
+    for c in outcomes.iter().filter(|c| **c != Code::Unauthenticated) {
+        *others.entry(format!("{c:?}")).or_default() += 1;
+    }
+    println!("unauthenticated flood: {refused} refused, others (connection closed) {others:?}");
+    assert!(refused > 0, "no stream refused as unauthenticated");
+    assert!(
+        outcomes
+            .iter()
+            .all(|c| !matches!(c, Code::Ok | Code::DeadlineExceeded)),
+        "every stream is refused or ends with its unauthenticated connection: {others:?}"
+    );
     let after_flood = rss_kib(pid);
     let per_stream = (after_flood.saturating_sub(before) * 1024) / 20_000;
     println!(

@@ -82,7 +82,19 @@ pub trait TokenAuthenticator: Send + Sync {
 /// metadata when present (a token that fails never falls back to the
 /// certificate), else the verified client-certificate identity of its TLS
 /// connection (15012), else [`AuthError::MissingToken`].
+///
+/// On success the request's TLS connection counts as authenticated
+/// ([`crate::tls_listener::mark_authenticated`]).
 pub async fn authenticate_grpc<T>(
+    auth: &dyn TokenAuthenticator,
+    req: &tonic::Request<T>,
+) -> Result<Caller, AuthError> {
+    let caller = authenticate_request(auth, req).await?;
+    crate::tls_listener::mark_authenticated(req);
+    Ok(caller)
+}
+
+async fn authenticate_request<T>(
     auth: &dyn TokenAuthenticator,
     req: &tonic::Request<T>,
 ) -> Result<Caller, AuthError> {
