@@ -23,8 +23,17 @@ use crate::dpload::{self, cpu_secs};
 const MSG: usize = 64;
 /// Bound on one connection, connect to close.
 const LIMIT: Duration = Duration::from_secs(5);
-/// Beyond this many in flight the generator skips (counted as failures).
+/// Beyond this many in flight the generator skips (counted as failures);
+/// lower when the file limit is (each connection in flight is a socket).
 const MAX_IN_FLIGHT: usize = 30_000;
+
+fn max_in_flight() -> usize {
+    let soft = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .map_or(MAX_IN_FLIGHT as u64, |(soft, _)| soft);
+    (soft as usize)
+        .saturating_sub(2_000)
+        .clamp(1_000, MAX_IN_FLIGHT)
+}
 
 /// One connection: connect, 64-byte echo, orderly close.
 pub async fn once(sockets: &NetnsSockets, dst: SocketAddr) -> Result<()> {
@@ -96,6 +105,7 @@ pub async fn open_loop(
     let total = (rate * dur.as_secs_f64()).round() as u64;
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Result<()>, u64)>();
     let in_flight = Arc::new(AtomicUsize::new(0));
+    let cap = max_in_flight();
     let cpu0 = [cpu_secs(bed.zt_src), cpu_secs(bed.zt_dst)];
     let ctl0 = cpu_secs(bed.control);
     let own0 = cpu_secs(std::process::id());
@@ -108,7 +118,7 @@ pub async fn open_loop(
         while issued < due {
             let sched = start + Duration::from_secs_f64(issued as f64 / rate);
             issued += 1;
-            if in_flight.load(Ordering::Relaxed) >= MAX_IN_FLIGHT {
+            if in_flight.load(Ordering::Relaxed) >= cap {
                 skipped += 1;
                 continue;
             }
