@@ -46,6 +46,8 @@ struct State {
     behavior: Mutex<Behavior>,
     hits: AtomicU64,
     arrivals: Mutex<Vec<Instant>>,
+    /// The `traceparent` of every request that carried one.
+    traceparents: Mutex<Vec<String>>,
 }
 
 impl State {
@@ -81,6 +83,7 @@ impl HttpApp {
             behavior: Mutex::new(Behavior::Ok),
             hits: AtomicU64::new(0),
             arrivals: Mutex::new(Vec::new()),
+            traceparents: Mutex::new(Vec::new()),
         });
         let st = state.clone();
         let task = tokio::spawn(async move {
@@ -113,6 +116,15 @@ impl HttpApp {
         })
     }
 
+    /// The `traceparent` headers of the requests received so far.
+    pub fn traceparents(&self) -> Vec<String> {
+        self.state
+            .traceparents
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// Changes how the app answers from the next request on.
     pub fn set(&self, behavior: Behavior) {
         *self.state.behavior() = behavior;
@@ -136,9 +148,19 @@ impl HttpApp {
 
 async fn answer(
     st: Arc<State>,
-    _req: Request<Incoming>,
+    req: Request<Incoming>,
 ) -> Result<Response<Full<Bytes>>, std::convert::Infallible> {
     st.hits.fetch_add(1, Ordering::Relaxed);
+    if let Some(tp) = req
+        .headers()
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+    {
+        st.traceparents
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(tp.to_string());
+    }
     st.arrivals().push(Instant::now());
     let behavior = *st.behavior();
     let mut body = Bytes::from(st.name.clone());

@@ -11,6 +11,7 @@ pub mod httpapp;
 pub mod kubebed;
 pub mod meshbed;
 pub mod netbed;
+pub mod otlp;
 pub mod traffic;
 pub mod waypointpod;
 

@@ -92,6 +92,7 @@ fn plan() -> WaypointPlan {
         }],
         findings: Vec::new(),
         telemetry: true,
+        tracing: None,
     }
 }
 

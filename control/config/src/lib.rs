@@ -34,6 +34,7 @@ pub mod networking;
 mod node;
 pub mod objects;
 pub mod scalars;
+mod telemetry;
 
 pub use change::{Change, ConfigError};
 pub use decode::{

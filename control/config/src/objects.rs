@@ -20,6 +20,7 @@ pub use crate::gateway_api::{Gateway, GrpcRoute, HttpRoute, TcpRoute};
 pub use crate::istio::*;
 pub use crate::networking::{DestinationRule, Sidecar, VirtualService};
 pub use crate::node::*;
+pub use crate::telemetry::*;
 
 /// Label that enrolls a namespace or pod in ambient mode (`ambient`) or opts a
 /// pod out (`none`).
@@ -58,10 +59,16 @@ pub enum Kind {
     #[serde(rename = "TCPRoute")]
     TcpRoute,
     Node,
+    /// `telemetry.istio.io` Telemetry.
+    Telemetry,
+    /// The mesh configuration: the ConfigMap `istio` in a root namespace
+    /// (other ConfigMaps are not modelled).
+    #[serde(rename = "ConfigMap")]
+    MeshConfig,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 16] = [
+    pub const ALL: [Kind; 18] = [
         Kind::Namespace,
         Kind::Pod,
         Kind::Service,
@@ -78,6 +85,8 @@ impl Kind {
         Kind::GrpcRoute,
         Kind::TcpRoute,
         Kind::Node,
+        Kind::Telemetry,
+        Kind::MeshConfig,
     ];
 
     /// The Kubernetes `kind` string.
@@ -99,6 +108,8 @@ impl Kind {
             Kind::GrpcRoute => "GRPCRoute",
             Kind::TcpRoute => "TCPRoute",
             Kind::Node => "Node",
+            Kind::Telemetry => "Telemetry",
+            Kind::MeshConfig => "ConfigMap",
         }
     }
 
@@ -150,6 +161,8 @@ impl Kind {
                 "gateway.networking.k8s.io/v1alpha2",
             ],
             Kind::TcpRoute => &["gateway.networking.k8s.io/v1alpha2"],
+            Kind::Telemetry => &["telemetry.istio.io/v1", "telemetry.istio.io/v1alpha1"],
+            Kind::MeshConfig => &["v1"],
         }
     }
 }
@@ -204,6 +217,8 @@ pub enum Object {
     GrpcRoute(Box<GrpcRoute>),
     TcpRoute(Box<TcpRoute>),
     Node(Node),
+    Telemetry(Box<Telemetry>),
+    MeshConfig(Box<MeshConfigMap>),
 }
 
 impl Object {
@@ -225,6 +240,8 @@ impl Object {
             Object::GrpcRoute(_) => Kind::GrpcRoute,
             Object::TcpRoute(_) => Kind::TcpRoute,
             Object::Node(_) => Kind::Node,
+            Object::Telemetry(_) => Kind::Telemetry,
+            Object::MeshConfig(_) => Kind::MeshConfig,
         }
     }
 
@@ -246,6 +263,8 @@ impl Object {
             Object::GrpcRoute(o) => &o.metadata,
             Object::TcpRoute(o) => &o.metadata,
             Object::Node(o) => &o.metadata,
+            Object::Telemetry(o) => &o.metadata,
+            Object::MeshConfig(o) => &o.metadata,
         }
     }
 
@@ -267,6 +286,8 @@ impl Object {
             Object::GrpcRoute(o) => &mut o.metadata,
             Object::TcpRoute(o) => &mut o.metadata,
             Object::Node(o) => &mut o.metadata,
+            Object::Telemetry(o) => &mut o.metadata,
+            Object::MeshConfig(o) => &mut o.metadata,
         }
     }
 
@@ -288,6 +309,11 @@ where
 }
 
 pub type Labels = BTreeMap<String, String>;
+
+/// The namespaces whose mesh-wide objects (PeerAuthentication,
+/// Telemetry, the mesh configuration) apply to the whole mesh: Istio's
+/// and Ambit's.
+pub const ROOT_NAMESPACES: [&str; 2] = ["istio-system", "ambit-system"];
 
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(rename_all = "camelCase", default)]

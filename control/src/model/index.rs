@@ -18,7 +18,7 @@ use super::store::Store;
 /// DNS domain of the cluster (service hostnames `name.ns.svc.<suffix>`).
 pub const DOMAIN_SUFFIX: &str = "cluster.local";
 /// Namespaces whose selector-less policies apply mesh-wide.
-pub const ROOT_NAMESPACES: [&str; 2] = ["istio-system", "ambit-system"];
+pub use ambit_config::objects::ROOT_NAMESPACES;
 /// HBONE port of waypoints.
 pub const HBONE_PORT: u32 = 15008;
 /// Label carried by the pods and services of a Gateway (waypoints included).

@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use super::{Change, ConfigError};
 use ambit_config::objects::{
     AuthorizationPolicy, DestinationRule, EndpointSlice, Gateway, GrpcRoute, HttpRoute, Kind,
-    Labels, Namespace, Node, Object, ObjectKey, PeerAuthentication, Pod, Service, ServiceEntry,
-    Sidecar, TcpRoute, VirtualService, WorkloadEntry,
+    Labels, MeshConfigMap, Namespace, Node, Object, ObjectKey, PeerAuthentication, Pod, Service,
+    ServiceEntry, Sidecar, TcpRoute, Telemetry, VirtualService, WorkloadEntry,
 };
 
 /// The objects of one namespace, by name.
@@ -30,6 +30,9 @@ pub struct NamespaceObjects {
     pub http_routes: BTreeMap<String, HttpRoute>,
     pub grpc_routes: BTreeMap<String, GrpcRoute>,
     pub tcp_routes: BTreeMap<String, TcpRoute>,
+    pub telemetries: BTreeMap<String, Telemetry>,
+    /// The mesh configuration ConfigMap (`istio`; only in root namespaces).
+    pub mesh_configs: BTreeMap<String, MeshConfigMap>,
 }
 
 impl NamespaceObjects {
@@ -48,6 +51,8 @@ impl NamespaceObjects {
             && self.http_routes.is_empty()
             && self.grpc_routes.is_empty()
             && self.tcp_routes.is_empty()
+            && self.telemetries.is_empty()
+            && self.mesh_configs.is_empty()
     }
 
     fn len(&self) -> usize {
@@ -65,6 +70,8 @@ impl NamespaceObjects {
             + self.http_routes.len()
             + self.grpc_routes.len()
             + self.tcp_routes.len()
+            + self.telemetries.len()
+            + self.mesh_configs.len()
     }
 }
 
@@ -139,6 +146,8 @@ impl Store {
             Object::HttpRoute(o) => put(&mut ns.http_routes, name, *o),
             Object::GrpcRoute(o) => put(&mut ns.grpc_routes, name, *o),
             Object::TcpRoute(o) => put(&mut ns.tcp_routes, name, *o),
+            Object::Telemetry(o) => put(&mut ns.telemetries, name, *o),
+            Object::MeshConfig(o) => put(&mut ns.mesh_configs, name, *o),
         }
     }
 
@@ -169,6 +178,8 @@ impl Store {
             Kind::HttpRoute => ns.http_routes.remove(n).is_some(),
             Kind::GrpcRoute => ns.grpc_routes.remove(n).is_some(),
             Kind::TcpRoute => ns.tcp_routes.remove(n).is_some(),
+            Kind::Telemetry => ns.telemetries.remove(n).is_some(),
+            Kind::MeshConfig => ns.mesh_configs.remove(n).is_some(),
         };
         if ns.is_empty() {
             self.spaces.remove(&key.namespace);
@@ -248,6 +259,14 @@ impl Store {
                 .tcp_routes
                 .get(n)
                 .map(|o| Object::TcpRoute(Box::new(o.clone()))),
+            Kind::Telemetry => ns
+                .telemetries
+                .get(n)
+                .map(|o| Object::Telemetry(Box::new(o.clone()))),
+            Kind::MeshConfig => ns
+                .mesh_configs
+                .get(n)
+                .map(|o| Object::MeshConfig(Box::new(o.clone()))),
         }
     }
 
@@ -296,5 +315,10 @@ impl Store {
     /// Namespaces that hold at least one namespaced object, with their objects.
     pub fn spaces(&self) -> impl Iterator<Item = (&str, &NamespaceObjects)> {
         self.spaces.iter().map(|(k, v)| (k.as_str(), v))
+    }
+
+    /// The objects of one namespace, if it holds any.
+    pub fn space(&self, namespace: &str) -> Option<&NamespaceObjects> {
+        self.spaces.get(namespace)
     }
 }

@@ -136,6 +136,7 @@ pub fn istio_resources() -> Vec<ResourceDef> {
             true,
         ),
         r("networking.istio.io/v1", "Sidecar", "sidecars", true),
+        r("telemetry.istio.io/v1", "Telemetry", "telemetries", true),
         r(
             "security.istio.io/v1",
             "PeerAuthentication",

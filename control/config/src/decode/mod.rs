@@ -22,7 +22,7 @@ use serde::de::DeserializeOwned;
 use tracing::debug;
 
 use crate::limits::MAX_DOCUMENT_BYTES;
-use crate::objects::{Kind, Object, ObjectKey};
+use crate::objects::{Kind, MESH_CONFIG_MAP, Object, ObjectKey, ROOT_NAMESPACES};
 
 mod head;
 mod validate;
@@ -303,6 +303,12 @@ fn check_head(head: Head) -> Result<Option<ObjectKey>, Box<DecodeFailure>> {
             DecodeError::MissingField("metadata.name"),
         ));
     }
+    // Of the ConfigMaps, only the mesh configuration is modelled.
+    if kind == Kind::MeshConfig
+        && (name != MESH_CONFIG_MAP || !ROOT_NAMESPACES.contains(&namespace.as_str()))
+    {
+        return ignored();
+    }
     let key = ObjectKey::new(kind, namespace.clone(), name);
     if !kind.api_versions().contains(&api_version.as_str()) {
         return Err(f(
@@ -353,6 +359,8 @@ fn parse_kind(doc: &impl Document, kind: Kind) -> Result<Object, String> {
         Kind::GrpcRoute => Object::GrpcRoute(Box::new(doc.parse()?)),
         Kind::TcpRoute => Object::TcpRoute(Box::new(doc.parse()?)),
         Kind::Node => Object::Node(doc.parse()?),
+        Kind::Telemetry => Object::Telemetry(Box::new(doc.parse()?)),
+        Kind::MeshConfig => Object::MeshConfig(Box::new(doc.parse()?)),
     })
 }
 

@@ -108,6 +108,8 @@ pub(super) fn validate(obj: &mut Object) -> Result<(), String> {
             }
         }
         Object::AuthorizationPolicy(ap) => validate_policy(ap)?,
+        Object::Telemetry(t) => validate_telemetry(t)?,
+        Object::MeshConfig(m) => decode_mesh_config(m)?,
         // The traffic kinds check themselves while deserializing (their
         // errors carry the line); cross-object checks are the control
         // plane's and `ambitctl analyze`'s.
@@ -156,5 +158,68 @@ fn validate_policy(ap: &AuthorizationPolicy) -> Result<(), String> {
             }
         }
     }
+    Ok(())
+}
+
+fn check_sampling(at: &str, value: Option<f64>) -> Result<(), String> {
+    match value {
+        Some(v) if !(0.0..=100.0).contains(&v) => Err(format!(
+            "{at}: {v} is not a percentage; use a value from 0 to 100 (0.01 steps)"
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn validate_telemetry(t: &crate::objects::Telemetry) -> Result<(), String> {
+    for (i, tr) in t.spec.tracing.iter().enumerate() {
+        check_sampling(
+            &format!("spec.tracing[{i}].randomSamplingPercentage"),
+            tr.random_sampling_percentage,
+        )?;
+        if let Some(j) = tr.providers.iter().position(|p| p.name.is_empty()) {
+            return Err(format!(
+                "spec.tracing[{i}].providers[{j}].name is missing; name an extensionProvider of the mesh config"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Decodes the mesh configuration YAML held in `data.mesh`.
+fn decode_mesh_config(m: &mut crate::objects::MeshConfigMap) -> Result<(), String> {
+    use crate::objects::{MESH_CONFIG_KEY, MeshConfig};
+    let Some(text) = m.data.get(MESH_CONFIG_KEY) else {
+        m.mesh = MeshConfig::default();
+        return Ok(());
+    };
+    let mesh: MeshConfig = super::yaml::from_yaml(text, 0).map_err(|e| {
+        let at = e.path.map(|p| format!(" at {p}")).unwrap_or_default();
+        format!(
+            "data.{MESH_CONFIG_KEY}{at}: {} (lines counted from the start of the mesh text); fix the mesh configuration",
+            e.message
+        )
+    })?;
+    check_sampling(
+        "data.mesh defaultConfig.tracing.sampling",
+        mesh.default_config
+            .tracing
+            .as_ref()
+            .and_then(|t| t.sampling),
+    )?;
+    for (i, p) in mesh.extension_providers.iter().enumerate() {
+        let at = format!("data.mesh extensionProviders[{i}]");
+        if p.name.is_empty() {
+            return Err(format!("{at}.name is missing; every provider needs a name"));
+        }
+        if p.opentelemetry
+            .as_ref()
+            .is_some_and(|o| o.service.is_empty() || o.port == 0)
+        {
+            return Err(format!(
+                "{at}.opentelemetry needs service and port (the collector's OTLP/gRPC port, usually 4317)"
+            ));
+        }
+    }
+    m.mesh = mesh;
     Ok(())
 }

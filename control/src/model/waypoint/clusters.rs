@@ -15,8 +15,9 @@ use envoy_types::pb::envoy::config::cluster::v3::{
 };
 use envoy_types::pb::envoy::config::core::v3::{
     Address, EnvoyInternalAddress, HealthStatus, Http2ProtocolOptions,
-    HttpProtocolOptions as CommonHttpOptions, Metadata, TransportSocket, address,
-    envoy_internal_address::AddressNameSpecifier, transport_socket::ConfigType,
+    HttpProtocolOptions as CommonHttpOptions, Metadata, SocketAddress, TransportSocket, address,
+    envoy_internal_address::AddressNameSpecifier, socket_address::PortSpecifier,
+    transport_socket::ConfigType,
 };
 use envoy_types::pb::envoy::config::endpoint::v3::{
     ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint::HostIdentifier,
@@ -41,6 +42,7 @@ use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind as ValueKind}
 
 use super::envoy::{any, duration, hbone_client_tls, stable_map, u32_value};
 use super::listeners::{MAIN_INTERNAL, originate_name};
+use super::tracing::TracingPlan;
 use super::{
     BoundEndpoint, CLUSTER_TYPE, ENDPOINT_TYPE, HBONE_PORT, WaypointPlan, cluster_name, policy,
     telemetry,
@@ -71,9 +73,79 @@ pub fn clusters(plan: &WaypointPlan) -> Vec<XdsResource> {
             }
         }
     }
+    out.extend(plan.tracing.as_ref().map(collector));
     out.into_iter()
         .map(|c| XdsResource::new(CLUSTER_TYPE, c.name.clone(), Vec::new(), &c))
         .collect()
+}
+
+/// The span collector's cluster: HTTP/2 (OTLP/gRPC), its mesh endpoints
+/// through their ztunnel, else its plaintext ones.
+fn collector(t: &TracingPlan) -> Cluster {
+    let name = t.cluster();
+    let (lb_endpoints, transport) = if t.mesh_endpoints.is_empty() {
+        let plain = t
+            .plain_endpoints
+            .iter()
+            .map(|a| LbEndpoint {
+                host_identifier: Some(HostIdentifier::Endpoint(Endpoint {
+                    address: Some(socket_address(*a)),
+                    ..Default::default()
+                })),
+                ..Default::default()
+            })
+            .collect();
+        (plain, raw_buffer())
+    } else {
+        let tunnelled = t
+            .mesh_endpoints
+            .iter()
+            .filter_map(|e| Some(tunnel_endpoint(e, e.target_port(t.port)?)))
+            .collect();
+        (tunnelled, internal_upstream(&[TUNNEL]))
+    };
+    Cluster {
+        name: name.clone(),
+        cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Static as i32)),
+        connect_timeout: Some(duration(CONNECT_TIMEOUT)),
+        load_assignment: Some(ClusterLoadAssignment {
+            cluster_name: name,
+            endpoints: vec![LocalityLbEndpoints {
+                lb_endpoints,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        transport_socket: Some(transport),
+        typed_extension_protocol_options: HashMap::from([(
+            HTTP_OPTIONS.to_string(),
+            any(&http2_options()),
+        )]),
+        ..Default::default()
+    }
+}
+
+fn socket_address(a: std::net::SocketAddr) -> Address {
+    Address {
+        address: Some(address::Address::SocketAddress(SocketAddress {
+            address: a.ip().to_string(),
+            port_specifier: Some(PortSpecifier::PortValue(a.port().into())),
+            ..Default::default()
+        })),
+    }
+}
+
+fn http2_options() -> HttpProtocolOptions {
+    HttpProtocolOptions {
+        upstream_protocol_options: Some(UpstreamProtocolOptions::ExplicitHttpConfig(
+            ExplicitHttpConfig {
+                protocol_config: Some(ProtocolConfig::Http2ProtocolOptions(
+                    Http2ProtocolOptions::default(),
+                )),
+            },
+        )),
+        ..Default::default()
+    }
 }
 
 /// Every service cluster's endpoints.
@@ -223,16 +295,7 @@ fn main_internal() -> Cluster {
 /// metadata, the port is 15008, and the peer certificate must carry exactly
 /// `identity`.
 fn originate(identity: &str) -> Cluster {
-    let http2 = HttpProtocolOptions {
-        upstream_protocol_options: Some(UpstreamProtocolOptions::ExplicitHttpConfig(
-            ExplicitHttpConfig {
-                protocol_config: Some(ProtocolConfig::Http2ProtocolOptions(
-                    Http2ProtocolOptions::default(),
-                )),
-            },
-        )),
-        ..Default::default()
-    };
+    let http2 = http2_options();
     Cluster {
         name: originate_name(identity),
         cluster_discovery_type: Some(ClusterDiscoveryType::Type(

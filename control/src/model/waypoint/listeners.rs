@@ -224,7 +224,7 @@ fn main_internal(plan: &WaypointPlan) -> Listener {
         }
         for port in &svc.ports {
             let filters = if port.protocol.is_http() {
-                vec![service_hcm(svc, port, plan.telemetry)]
+                vec![service_hcm(plan, svc, port)]
             } else {
                 service_tcp(svc, port.port)
             };
@@ -261,7 +261,7 @@ fn main_internal(plan: &WaypointPlan) -> Listener {
 /// An HTTP service port: authorization (the RBAC filters get their rules
 /// per virtual host over RDS), faults (configured per route), routing, and
 /// per-request telemetry.
-fn service_hcm(svc: &BoundService, port: &BoundPort, telemetry: bool) -> Filter {
+fn service_hcm(plan: &WaypointPlan, svc: &BoundService, port: &BoundPort) -> Filter {
     let mut http_filters: Vec<HttpFilter> = HTTP_RBAC_FILTERS
         .iter()
         .map(|(name, _)| http_filter(name, &http_base_filter()))
@@ -276,11 +276,15 @@ fn service_hcm(svc: &BoundService, port: &BoundPort, telemetry: bool) -> Filter 
             route_config_name: route_name(&svc.hostname, port.port),
         })),
         http_filters,
-        access_log: if telemetry {
+        access_log: if plan.telemetry {
             telemetry::access_logs(svc, port)
         } else {
             Vec::new()
         },
+        tracing: plan
+            .tracing
+            .as_ref()
+            .map(|t| super::tracing::hcm_tracing(plan, t)),
         ..Default::default()
     };
     named_filter("envoy.filters.network.http_connection_manager", &hcm)

@@ -47,6 +47,9 @@ pub mod rules;
 mod telemetry;
 #[cfg(test)]
 mod tests;
+pub mod tracing;
+#[cfg(test)]
+mod tracing_tests;
 
 use super::snapshot::ResourceFamily;
 
@@ -84,6 +87,8 @@ pub struct WaypointPlan {
     /// Per-request metrics and access logs (the Gateway's
     /// `ambit.io/request-telemetry`, on by default).
     pub telemetry: bool,
+    /// Where request spans go (Telemetry API + mesh config; off by default).
+    pub tracing: Option<tracing::TracingPlan>,
 }
 
 /// A config mistake the translation found (the object still serves as
@@ -116,6 +121,11 @@ impl WaypointPlan {
             .iter()
             .flat_map(|s| s.endpoints.iter().map(|e| e.identity.as_str()))
             .chain(self.workloads.iter().map(|w| w.identity.as_str()))
+            .chain(
+                self.tracing
+                    .iter()
+                    .flat_map(|t| t.mesh_endpoints.iter().map(|e| e.identity.as_str())),
+            )
             .collect()
     }
 }

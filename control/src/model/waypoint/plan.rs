@@ -25,6 +25,7 @@ use ambit_proto::workload::{TunnelProtocol, WorkloadStatus};
 
 use super::authz;
 use super::rules::{self, RouteRule, RuleAction, qualify};
+use super::tracing;
 use super::{
     BoundEndpoint, BoundPort, BoundService, BoundWorkload, EndpointWorkload, Finding, Protocol,
     WaypointPlan,
@@ -103,6 +104,7 @@ pub(crate) fn plan(
                     workloads: Vec::new(),
                     findings: Vec::new(),
                     telemetry: gw.request_telemetry(),
+                    tracing: None,
                 },
             );
         }
@@ -177,6 +179,18 @@ pub(crate) fn plan(
             }
         }
         check_subsets(plan);
+        let resolve = |host: &str, port: u16| {
+            catalog.services.get(host)?;
+            let members = catalog.members.get(host).map_or(&[][..], Vec::as_slice);
+            let on_port: Vec<_> = members.iter().copied().filter(|m| m.1 == port).collect();
+            Some((
+                endpoints(drafts, &on_port, opts),
+                plain_endpoints(drafts, &on_port),
+            ))
+        };
+        let mut findings = Vec::new();
+        plan.tracing = tracing::plan_tracing(store, plan, &resolve, &mut findings);
+        plan.findings.extend(findings);
     }
     plans.into_values().collect()
 }
@@ -492,6 +506,30 @@ fn endpoints(
         });
     }
     out.sort_by_key(|e| e.ip);
+    out
+}
+
+/// The members of a service outside the mesh (no HBONE), as the address
+/// and target port they are reached at in plaintext.
+fn plain_endpoints(
+    drafts: &[WorkloadDraft<'_>],
+    members: &[(usize, u16, u16)],
+) -> Vec<std::net::SocketAddr> {
+    let mut out: Vec<std::net::SocketAddr> = members
+        .iter()
+        .filter_map(|(i, _, target)| {
+            let w = &drafts.get(*i)?.w;
+            if w.tunnel_protocol == TunnelProtocol::Hbone as i32
+                || w.status == WorkloadStatus::Unhealthy as i32
+            {
+                return None;
+            }
+            let ip = w.addresses.first().and_then(|a| ip_from_bytes(a))?;
+            Some(std::net::SocketAddr::new(ip, *target))
+        })
+        .collect();
+    out.sort();
+    out.dedup();
     out
 }
 

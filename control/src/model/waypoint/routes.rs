@@ -11,8 +11,8 @@ use envoy_types::pb::envoy::config::core::v3::{
     header_value_option::HeaderAppendAction,
 };
 use envoy_types::pb::envoy::config::route::v3::{
-    DirectResponseAction, HeaderMatcher, QueryParameterMatcher, RedirectAction, RetryPolicy, Route,
-    RouteAction, RouteConfiguration, RouteMatch, VirtualHost, WeightedCluster,
+    Decorator, DirectResponseAction, HeaderMatcher, QueryParameterMatcher, RedirectAction,
+    RetryPolicy, Route, RouteAction, RouteConfiguration, RouteMatch, VirtualHost, WeightedCluster,
     header_matcher::HeaderMatchSpecifier,
     query_parameter_matcher::QueryParameterMatchSpecifier,
     redirect_action::{PathRewriteSpecifier, SchemeRewriteSpecifier},
@@ -57,13 +57,23 @@ pub fn routes(plan: &WaypointPlan) -> Vec<XdsResource> {
     for svc in plan.services.iter().filter(|s| s.bound) {
         for port in svc.ports.iter().filter(|p| p.protocol.is_http()) {
             let name = route_name(&svc.hostname, port.port);
-            let routes = match svc.rules.get(&port.port) {
+            let mut routes: Vec<Route> = match svc.rules.get(&port.port) {
                 Some(rules) => rules
                     .iter()
                     .flat_map(|r| envoy_routes(r, port.port, plan))
                     .collect(),
                 None => vec![default_route(svc, port.port, plan)],
             };
+            if plan.tracing.is_some() {
+                // Spans are named as Istio names them, `host:port/*`.
+                let operation = format!("{}:{}/*", svc.hostname, port.port);
+                for r in &mut routes {
+                    r.decorator = Some(Decorator {
+                        operation: operation.clone(),
+                        propagate: None,
+                    });
+                }
+            }
             let rc = RouteConfiguration {
                 name: name.clone(),
                 virtual_hosts: vec![VirtualHost {

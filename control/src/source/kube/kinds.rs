@@ -18,6 +18,10 @@ pub struct WatchSpec {
     /// `404` on its list counts as "synced, empty" for readiness (warned
     /// once) and the watch keeps retrying until the CRD appears.
     pub optional: bool,
+    /// A field selector narrowing the watch (`metadata.name=istio` for
+    /// the mesh configuration: of the ConfigMaps, only that one is
+    /// modelled).
+    pub field_selector: Option<&'static str>,
 }
 
 fn resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource {
@@ -59,6 +63,8 @@ impl WatchSpec {
             Kind::HttpRoute => "httproutes",
             Kind::GrpcRoute => "grpcroutes",
             Kind::TcpRoute => "tcproutes",
+            Kind::Telemetry => "telemetries",
+            Kind::MeshConfig => "configmaps",
         };
         WatchSpec {
             kind,
@@ -66,6 +72,7 @@ impl WatchSpec {
             metadata_only: matches!(kind, Kind::Namespace),
             optional: !group.is_empty()
                 && (group.ends_with(".istio.io") || group == "gateway.networking.k8s.io"),
+            field_selector: (kind == Kind::MeshConfig).then_some("metadata.name=istio"),
         }
     }
 

@@ -141,6 +141,9 @@ fn watch_stream(client: Client, spec: &WatchSpec, opts: &KubeSourceOptions) -> W
     if let Some(t) = opts.watch_timeout_secs {
         cfg = cfg.timeout(t);
     }
+    if let Some(fields) = spec.field_selector {
+        cfg = cfg.fields(fields);
+    }
     let backoff = RetryBackoff::new(opts.retry_initial, opts.retry_max);
     let ar = spec.resource.clone();
     if spec.metadata_only {

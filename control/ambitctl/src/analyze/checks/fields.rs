@@ -12,8 +12,8 @@
 
 use ambit_config::objects::{
     AuthorizationPolicy, DestinationRule, EndpointSlice, Gateway, GrpcRoute, HttpRoute, Kind,
-    Namespace, Node, PeerAuthentication, Pod, Service, ServiceEntry, Sidecar, TcpRoute,
-    VirtualService, WorkloadEntry,
+    MeshConfigMap, Namespace, Node, PeerAuthentication, Pod, Service, ServiceEntry, Sidecar,
+    TcpRoute, Telemetry, VirtualService, WorkloadEntry,
 };
 use serde::de::DeserializeOwned;
 
@@ -117,13 +117,24 @@ fn ignored_paths(kind: Kind, raw: &serde_json::Value) -> Vec<Vec<Seg>> {
         Kind::HttpRoute => ignored::<HttpRoute>(raw),
         Kind::GrpcRoute => ignored::<GrpcRoute>(raw),
         Kind::TcpRoute => ignored::<TcpRoute>(raw),
+        Kind::Telemetry => ignored::<Telemetry>(raw),
+        Kind::MeshConfig => ignored::<MeshConfigMap>(raw),
     }
 }
 
+/// Kinds with many valid fields the model does not read (Telemetry's
+/// metrics and access logging, a ConfigMap's other keys): only unknown
+/// top-level keys are reported.
 fn is_core(kind: Kind) -> bool {
     matches!(
         kind,
-        Kind::Namespace | Kind::Pod | Kind::Service | Kind::EndpointSlice | Kind::Node
+        Kind::Namespace
+            | Kind::Pod
+            | Kind::Service
+            | Kind::EndpointSlice
+            | Kind::Node
+            | Kind::Telemetry
+            | Kind::MeshConfig
     )
 }
 
