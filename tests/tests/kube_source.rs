@@ -478,3 +478,70 @@ async fn rss_with_10k_pods() {
     );
     let _ = child.kill().await;
 }
+
+/// The mesh configuration comes from the ConfigMap `istio` of a root
+/// namespace (watched by name; other ConfigMaps are not the mesh's), and
+/// Telemetry from its CRD: a bad mesh config is rejected naming the
+/// ConfigMap, and a fixed one clears the error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mesh_config_map_and_telemetry_are_watched() {
+    let fake = fake_with_mesh().await;
+    let config_map = |name: &str, mesh: &str| {
+        json!({"apiVersion": "v1", "kind": "ConfigMap",
+               "metadata": {"name": name, "namespace": "istio-system"},
+               "data": {"mesh": mesh}})
+    };
+    let broken = "extensionProviders: [{name: otel, opentelemetry: {service: otel}}]";
+    fake.apply(config_map("unrelated", broken)).unwrap();
+    fake.apply(
+        json!({"apiVersion": "telemetry.istio.io/v1", "kind": "Telemetry",
+        "metadata": {"name": "mesh-default", "namespace": "istio-system"},
+        "spec": {"tracing": [{"providers": [{"name": "otel"}], "randomSamplingPercentage": 100}]}}),
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cp = control_plane(&fake, dir.path(), "a").await.unwrap();
+    wait_synced(&cp, LIMIT).await.unwrap();
+    assert!(list_calls(&fake, "telemetries") >= 1, "Telemetry is listed");
+    // Only `istio` is the mesh config: the other one, broken as it is, is no error.
+    let body = get(cp.monitoring_addr(), "/debug/config_errors")
+        .await
+        .unwrap();
+    assert_eq!(body.trim(), "[]", "{body}");
+
+    fake.apply(config_map("istio", broken)).unwrap();
+    let errors = eventually(LIMIT, "the mesh config's rejection", || async {
+        let body = get(cp.monitoring_addr(), "/debug/config_errors")
+            .await
+            .ok()?;
+        let v: Value = serde_json::from_str(&body).ok()?;
+        (!v.as_array()?.is_empty()).then_some(v)
+    })
+    .await
+    .unwrap();
+    let e = &errors[0];
+    assert_eq!(
+        (
+            e["kind"].as_str(),
+            e["namespace"].as_str(),
+            e["name"].as_str()
+        ),
+        (Some("ConfigMap"), Some("istio-system"), Some("istio")),
+        "{errors}"
+    );
+    assert!(
+        e["reason"].as_str().unwrap().contains("service and port"),
+        "{e}"
+    );
+    let fixed = "extensionProviders: [{name: otel, opentelemetry: {service: otel.observability.svc.cluster.local, port: 4317}}]";
+    fake.apply(config_map("istio", fixed)).unwrap();
+    eventually(LIMIT, "the error to clear", || async {
+        let body = get(cp.monitoring_addr(), "/debug/config_errors")
+            .await
+            .ok()?;
+        (body.trim() == "[]").then_some(())
+    })
+    .await
+    .unwrap();
+    cp.shutdown().await;
+}
