@@ -16,7 +16,7 @@ use serde_json::Value;
 use crate::{TOKEN, env_or, node_id};
 
 /// The route configurations of `llm`, and nothing else, from the admin API.
-const LLM_ROUTES: &str = "/config_dump?resource=dynamic_route_configs&name_regex=%5Ellm%5C.shop";
+const LLM_ROUTES: &str = "/config_dump?resource=dynamic_route_configs&name_regex=llm.*";
 
 pub struct RealEnvoys {
     /// Dropped before the cluster that holds their namespaces.
@@ -129,8 +129,10 @@ fn wait_weights(envoy: &Envoy, want: &[u32], since: Instant, limit: Duration) ->
             });
         }
         if since.elapsed() > limit {
+            let routes = envoy.admin_get("/config_dump?resource=dynamic_route_configs");
             bail!(
-                "a real Envoy did not show weights {want:?} within {limit:?}; log:\n{}",
+                "a real Envoy did not show weights {want:?} within {limit:?}; its routes: {}; log:\n{}",
+                routes.map_or_else(|e| format!("{e:#}"), |r| r.chars().take(1500).collect()),
                 envoy.log()
             );
         }
