@@ -1,6 +1,6 @@
-//! Waypoint benchmark (issues 15 and 16): HTTP/1.1 keep-alive requests with
-//! a 1 KiB response, closed loop over `CONNS` connections for `SECS`
-//! seconds per path, all in one run on one bed:
+//! Waypoint benchmark (issues 15 and 16): keep-alive GETs with a 1 KiB
+//! response over HTTP/1.1 and over h2c (HTTP/2 prior knowledge), all in one
+//! run on one bed, on four paths to the same server pod:
 //!
 //! 1. **no mesh**: a plain client pod to a plain server pod's IP;
 //! 2. **L4 mesh**: client → ztunnel ══HBONE══▶ ztunnel → server (service
@@ -11,28 +11,44 @@
 //!    AuthorizationPolicy with method and path rules, Istio request metrics
 //!    and the JSON access log on).
 //!
-//! For each: requests/s, p50/p99 latency, and for the waypoints Envoy's and
-//! the agent's CPU per 1,000 requests and RSS (from /proc). The difference
-//! between 3 and 4 is the cost of observability and policy. Needs root,
-//! `ip`, `iptables` and Envoy 1.40 (`ENVOY_BIN` or `envoy` on PATH).
-//! Run: `cargo bench -p ambit-benches --bench waypoint` (`SECS`, `CONNS`).
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! Each path and protocol runs closed loop (`CONNS` requesters back to
+//! back: the path's ceiling) and open loop at each of `RATES` requests a
+//! second (latency from each request's scheduled send time, so queueing
+//! counts). Per run: achieved requests/s, p50/p99, errors, and for the
+//! waypoints Envoy's and the agent's vCPU per 1,000 requests/s and RSS
+//! (from /proc). HTTP/2 goes to each service's `http2` port
+//! (`appProtocol: http2`), one connection carrying the requesters' streams.
+//! Needs root, `ip`, `iptables` and Envoy 1.40 (`ENVOY_BIN` or `envoy` on
+//! PATH), and the agent built: `cargo build --profile bench -p
+//! ambit-ztunnel --bin ambit-agent`.
+//! Run: `cargo bench -p ambit-benches --bench waypoint` (`SECS`, default
+//! 5; `CONNS`, 4; `RATES`, 1000,5000; `OPEN_CONNS`, 16; `PROTOS`,
+//! http1,http2).
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-use std::net::SocketAddr;
-use std::os::unix::fs::MetadataExt;
-use std::time::{Duration, Instant};
+#[path = "waypoint/load.rs"]
+mod load;
+#[path = "waypoint/usage.rs"]
+mod usage;
 
-use ambit_tests::httpapp::{Behavior, Client, HttpApp};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use ambit_tests::httpapp::{Behavior, HttpApp};
 use ambit_tests::meshbed::{MeshBed, PodSpec};
-use ambit_tests::netbed::{self, PodNet};
+use ambit_tests::netbed;
 use anyhow::{Context, Result};
-use hyper::Method;
+
+use load::{Proto, Run, Target};
+use usage::{Meter, Usage};
 
 const NS: &str = "bench";
 const APP_PORT: u16 = 8080;
+/// The services' HTTP/1.1 and HTTP/2 ports.
+const HTTP_PORT: u16 = 80;
+const H2_PORT: u16 = 81;
 const BODY: usize = 1024;
 
 fn env_or(name: &str, default: u64) -> u64 {
@@ -40,6 +56,108 @@ fn env_or(name: &str, default: u64) -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+/// What to run, from the environment.
+struct Settings {
+    dur: Duration,
+    conns: usize,
+    open_conns: usize,
+    rates: Vec<f64>,
+    protos: Vec<Proto>,
+}
+
+impl Settings {
+    fn from_env() -> Result<Settings> {
+        let list = |name: &str, default: &str| -> Vec<String> {
+            std::env::var(name)
+                .unwrap_or_else(|_| default.to_string())
+                .split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect()
+        };
+        let rates = list("RATES", "1000,5000")
+            .iter()
+            .map(|r| r.parse::<f64>().with_context(|| format!("RATES: {r:?}")))
+            .collect::<Result<Vec<_>>>()?;
+        let protos = list("PROTOS", "http1,http2")
+            .iter()
+            .map(|p| match p.as_str() {
+                "http1" => Ok(Proto::Http1),
+                "http2" => Ok(Proto::Http2),
+                _ => anyhow::bail!("PROTOS: {p:?} is neither http1 nor http2"),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Settings {
+            dur: Duration::from_secs(env_or("SECS", 5)),
+            conns: env_or("CONNS", 4).max(1) as usize,
+            open_conns: env_or("OPEN_CONNS", 16).max(1) as usize,
+            rates,
+            protos,
+        })
+    }
+}
+
+/// One of the four paths.
+struct Path {
+    label: &'static str,
+    from: &'static str,
+    /// The service VIP, or `None` for the plain server's pod IP.
+    vip: Option<Ipv4Addr>,
+    /// The waypoint pod whose Envoy and agent are metered.
+    waypoint: Option<&'static str>,
+}
+
+const PATHS: [Path; 4] = [
+    Path {
+        label: "no mesh",
+        from: "plain-client",
+        vip: None,
+        waypoint: None,
+    },
+    Path {
+        label: "L4 mesh (ztunnel only)",
+        from: "client",
+        vip: Some(Ipv4Addr::new(10, 96, 0, 30)),
+        waypoint: None,
+    },
+    Path {
+        label: "waypoint, bare",
+        from: "client",
+        vip: Some(Ipv4Addr::new(10, 96, 0, 32)),
+        waypoint: Some("wp-bare-0"),
+    },
+    Path {
+        label: "waypoint, full",
+        from: "client",
+        vip: Some(Ipv4Addr::new(10, 96, 0, 31)),
+        waypoint: Some("wp-full-0"),
+    },
+];
+
+impl Path {
+    fn target(&self, bed: &MeshBed, proto: Proto) -> Target {
+        let dst = match self.vip {
+            Some(vip) => {
+                let port = match proto {
+                    Proto::Http1 => HTTP_PORT,
+                    Proto::Http2 => H2_PORT,
+                };
+                SocketAddr::new(IpAddr::V4(vip), port)
+            }
+            None => SocketAddr::new(bed.ip("plain-server").into(), APP_PORT),
+        };
+        Target {
+            pod: bed.pod(self.from).clone(),
+            dst,
+            proto,
+        }
+    }
+
+    fn meter(&self, bed: &MeshBed) -> Meter {
+        Meter::new(self.waypoint.map(|w| bed.pod(w).path()))
+    }
 }
 
 fn pods() -> Vec<PodSpec> {
@@ -87,7 +205,9 @@ metadata:
 {labels}spec:
   clusterIP: {ip}
   selector: {{app: server}}
-  ports: [{{name: http-api, port: 80, targetPort: {APP_PORT}}}]
+  ports:
+  - {{name: http-api, port: {HTTP_PORT}, targetPort: {APP_PORT}}}
+  - {{name: http2-api, port: {H2_PORT}, appProtocol: http2, targetPort: {APP_PORT}}}
 ---
 "
         ));
@@ -107,101 +227,6 @@ spec:
     y
 }
 
-/// What one path did.
-struct Run {
-    requests: usize,
-    errors: usize,
-    secs: f64,
-    latencies: Vec<Duration>,
-}
-
-impl Run {
-    fn rps(&self) -> f64 {
-        self.requests as f64 / self.secs
-    }
-    fn pct(&self, p: f64) -> Duration {
-        if self.latencies.is_empty() {
-            return Duration::ZERO;
-        }
-        let i = ((self.latencies.len() as f64 - 1.0) * p).round() as usize;
-        self.latencies[i.min(self.latencies.len() - 1)]
-    }
-}
-
-/// `conns` keep-alive connections sending GETs back to back for `secs`.
-async fn closed_loop(from: &PodNet, dst: SocketAddr, conns: usize, secs: u64) -> Result<Run> {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    let start = Instant::now();
-    let mut set = tokio::task::JoinSet::new();
-    for _ in 0..conns {
-        let pod = from.clone();
-        set.spawn(async move {
-            let mut c = Client::connect(&pod, dst).await?;
-            let mut lat = Vec::new();
-            let mut errors = 0;
-            while Instant::now() < deadline {
-                match c.send(Method::GET, "/v1/completions", &[]).await {
-                    Ok(r) if r.status == 200 => lat.push(r.latency),
-                    _ => {
-                        errors += 1;
-                        c = Client::connect(&pod, dst).await?;
-                    }
-                }
-            }
-            Ok::<_, anyhow::Error>((lat, errors))
-        });
-    }
-    let mut run = Run {
-        requests: 0,
-        errors: 0,
-        secs: 0.0,
-        latencies: Vec::new(),
-    };
-    while let Some(r) = set.join_next().await {
-        let (lat, errors) = r??;
-        run.requests += lat.len();
-        run.errors += errors;
-        run.latencies.extend(lat);
-    }
-    run.secs = start.elapsed().as_secs_f64();
-    run.latencies.sort();
-    Ok(run)
-}
-
-/// CPU ticks (utime + stime) and RSS (KiB) of every process in `netns`
-/// named `comm`.
-fn usage_in_netns(netns: &std::path::Path, comm: &str) -> (u64, u64) {
-    let Ok(ns) = std::fs::metadata(netns) else {
-        return (0, 0);
-    };
-    let mut ticks = 0;
-    let mut rss = 0;
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let p = entry.path();
-        let same_ns = std::fs::metadata(p.join("ns/net")).is_ok_and(|m| m.ino() == ns.ino());
-        let name = std::fs::read_to_string(p.join("comm")).unwrap_or_default();
-        if !same_ns || name.trim() != comm {
-            continue;
-        }
-        if let Ok(stat) = std::fs::read_to_string(p.join("stat")) {
-            let f: Vec<&str> = stat
-                .rsplit_once(')')
-                .map(|(_, r)| r.split_whitespace().collect())
-                .unwrap_or_default();
-            ticks += f.get(11).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-            ticks += f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-        }
-        if let Ok(status) = std::fs::read_to_string(p.join("status")) {
-            rss += status
-                .lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-                .unwrap_or(0);
-        }
-    }
-    (ticks, rss)
-}
-
 fn main() -> Result<()> {
     if !netbed::can_run("waypoint bench") {
         println!("SKIP: the waypoint bench needs root, ip and iptables");
@@ -215,8 +240,7 @@ fn main() -> Result<()> {
 }
 
 async fn bench() -> Result<()> {
-    let secs = env_or("SECS", 5);
-    let conns = env_or("CONNS", 4) as usize;
+    let settings = Settings::from_env()?;
     let mut bed = MeshBed::new(2, &pods())?;
     bed.start(&yaml()).await?;
     let server = HttpApp::start(bed.pod("server"), APP_PORT, "server")?;
@@ -226,79 +250,92 @@ async fn bench() -> Result<()> {
     for wp in ["wp-full-0", "wp-bare-0"] {
         bed.start_waypoint(wp).await?;
     }
-    let vip = |ip: &str| SocketAddr::new(ip.parse().unwrap(), 80);
-    let plain_dst = SocketAddr::new(bed.ip("plain-server").into(), APP_PORT);
-    // Warm every path until it answers.
-    for (from, dst) in [
-        ("plain-client", plain_dst),
-        ("client", vip("10.96.0.30")),
-        ("client", vip("10.96.0.31")),
-        ("client", vip("10.96.0.32")),
-    ] {
-        ambit_tests::eventually(Duration::from_secs(30), "a first 200", || async {
-            let mut c = Client::connect(bed.pod(from), dst).await.ok()?;
-            c.send(Method::GET, "/v1/completions", &[])
-                .await
-                .ok()
-                .filter(|r| r.status == 200)
-        })
-        .await
-        .with_context(|| format!("{from} -> {dst}"))?;
+    for path in &PATHS {
+        for &proto in &settings.protos {
+            let t = path.target(&bed, proto);
+            ambit_tests::eventually(Duration::from_secs(30), "a first 200", || async {
+                load::probe(&t).await.ok().filter(|s| *s == 200)
+            })
+            .await
+            .with_context(|| format!("{} {} -> {}", proto.label(), path.from, t.dst))?;
+        }
     }
-    println!(
-        "waypoint bench: HTTP/1.1 keep-alive GET, {BODY} B responses, {conns} connections closed loop, {secs} s per path"
-    );
-    println!(
-        "| path | req/s | p50 | p99 | errors | Envoy CPU ms / 1k req | agent CPU ms / 1k req | Envoy RSS | agent RSS |"
-    );
-    println!("|---|---|---|---|---|---|---|---|---|");
-    // Linux reports process CPU in USER_HZ ticks, 100 a second.
-    let tick_ms = 10.0;
-    for (label, from, dst, wp) in [
-        ("no mesh", "plain-client", plain_dst, None),
-        ("L4 mesh (ztunnel only)", "client", vip("10.96.0.30"), None),
-        (
-            "waypoint, bare (no policy, telemetry off)",
-            "client",
-            vip("10.96.0.32"),
-            Some("wp-bare-0"),
-        ),
-        (
-            "waypoint, full (L7 ALLOW policy + metrics + access log)",
-            "client",
-            vip("10.96.0.31"),
-            Some("wp-full-0"),
-        ),
-    ] {
-        let netns = wp.map(|w| bed.pod(w).path());
-        let before = netns
-            .as_ref()
-            .map(|n| (usage_in_netns(n, "envoy"), usage_in_netns(n, "ambit-agent")));
-        let run = closed_loop(bed.pod(from), dst, conns, secs).await?;
-        let after = netns
-            .as_ref()
-            .map(|n| (usage_in_netns(n, "envoy"), usage_in_netns(n, "ambit-agent")));
-        let per_k = |b: u64, a: u64| {
-            (a.saturating_sub(b)) as f64 * tick_ms / (run.requests as f64 / 1000.0)
-        };
-        let cells = match (before, after) {
-            (Some(((eb, _), (ab, _))), Some(((ea, er), (aa, ar)))) => format!(
-                "{:.1} | {:.2} | {} MiB | {} MiB",
-                per_k(eb, ea),
-                per_k(ab, aa),
-                er / 1024,
-                ar / 1024
-            ),
-            _ => "- | - | - | -".to_string(),
-        };
-        println!(
-            "| {label} | {:.0} | {:.2} ms | {:.2} ms | {} | {cells} |",
-            run.rps(),
-            run.pct(0.50).as_secs_f64() * 1e3,
-            run.pct(0.99).as_secs_f64() * 1e3,
-            run.errors,
-        );
-    }
+    closed_loops(&bed, &settings).await?;
+    fixed_rates(&bed, &settings).await?;
     bed.shutdown().await;
     Ok(())
+}
+
+/// Each path's ceiling: `conns` requesters back to back.
+async fn closed_loops(bed: &MeshBed, s: &Settings) -> Result<()> {
+    println!(
+        "\n## Closed loop: {} requesters back to back, {BODY} B responses, {:?} per run\n",
+        s.conns, s.dur
+    );
+    println!(
+        "| protocol | path | req/s | p50 | p99 | errors | Envoy vCPU / 1k req/s | agent vCPU / 1k req/s | Envoy RSS | agent RSS |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for &proto in &s.protos {
+        for path in &PATHS {
+            let t = path.target(bed, proto);
+            let run = load::closed_loop(&t, s.conns, s.dur, &path.meter(bed)).await?;
+            println!(
+                "| {} | {} | {:.0} | {} |",
+                proto.label(),
+                path.label,
+                run.rps(),
+                cells(&run)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Each path at each fixed rate.
+async fn fixed_rates(bed: &MeshBed, s: &Settings) -> Result<()> {
+    println!(
+        "\n## Fixed rates (open loop, up to {} requests in flight, latency from the scheduled send), {BODY} B responses, {:?} per run\n",
+        s.open_conns, s.dur
+    );
+    println!(
+        "| rate | protocol | path | achieved req/s | p50 | p99 | errors | Envoy vCPU / 1k req/s | agent vCPU / 1k req/s | Envoy RSS | agent RSS |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for &rate in &s.rates {
+        for &proto in &s.protos {
+            for path in &PATHS {
+                let t = path.target(bed, proto);
+                let run = load::open_loop(&t, rate, s.open_conns, s.dur, &path.meter(bed)).await?;
+                println!(
+                    "| {rate:.0} | {} | {} | {:.0} | {} |",
+                    proto.label(),
+                    path.label,
+                    run.rps(),
+                    cells(&run)
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// p50, p99, errors and the waypoint's usage cells of a row.
+fn cells(run: &Run) -> String {
+    let usage = match run.usage {
+        Some(u) => format!(
+            "{:.3} | {:.4} | {:.0} MiB | {:.0} MiB",
+            Usage::per_k_rps(u.envoy_cpu_secs, run.requests),
+            Usage::per_k_rps(u.agent_cpu_secs, run.requests),
+            u.envoy_rss_mib,
+            u.agent_rss_mib
+        ),
+        None => "- | - | - | -".to_string(),
+    };
+    format!(
+        "{:.2} ms | {:.2} ms | {} | {usage}",
+        run.pct_ms(0.50),
+        run.pct_ms(0.99),
+        run.errors
+    )
 }

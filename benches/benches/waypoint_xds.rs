@@ -1,18 +1,22 @@
 //! Waypoint xDS push benchmark (issue 15): 100 lightweight Delta ADS
 //! clients that look like waypoint Envoys (`router~…` node ids of the
-//! `shop/waypoint` Gateway, authenticated as its service account) hold the
-//! full waypoint configuration of `tests/fixtures/waypoint/base.yaml` plus an
-//! 80/20 `llm` VirtualService; then the weights change to 100/0 and the time
-//! from publishing the new snapshot until every client holds the new route
-//! configuration is measured, with what was sent.
+//! `shop/waypoint` Gateway, authenticated as its service account) and two
+//! real Envoys (upstream 1.40, each in a pod network namespace, as the same
+//! waypoint) hold the full waypoint configuration of
+//! `tests/fixtures/waypoint/base.yaml` plus an 80/20 `llm` VirtualService;
+//! then the weights flip (100/0 ↔ 80/20) and the time from publishing the
+//! new snapshot until each client holds the new route configuration is
+//! measured, with what was sent. A real Envoy holds it when its own admin
+//! `/config_dump` shows the new weights.
 //!
 //! The xDS server (`ambit_control::xds::XdsServer`, the real one) and the
-//! clients share this process and its two cores; clients decode every
-//! resource as Envoy messages and ACK. Real Envoys converging on a weight
-//! change is the waypoint e2e test's job (`tests/tests/waypoint.rs`).
+//! lightweight clients share this process and its two cores; they decode
+//! every resource as Envoy messages and ACK. The real Envoys (one worker
+//! each) reach the same server over a unix socket. Real Envoys need root
+//! (`ip`; Envoy binds 15008 in its netns) and Envoy (`ENVOY_BIN` or `envoy`
+//! on PATH); without them only the lightweight clients run.
 //! Run: `cargo bench -p ambit-benches --bench waypoint_xds` (`CLIENTS`,
-//! default 100; `ROUNDS`, default 5).
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! default 100; `ENVOYS`, default 2; `ROUNDS`, default 5).
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -34,6 +38,9 @@ use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use prost::Message;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::StreamExt;
+
+#[path = "waypoint_xds/real.rs"]
+mod real;
 
 const TOKEN: &str = "bench-waypoint-token";
 const TYPES: [&str; 4] = [CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE];
@@ -69,22 +76,32 @@ spec:
     )
 }
 
-fn store(v1: u32, v2: u32) -> Store {
+fn store(v1: u32, v2: u32) -> Result<Store> {
     let base = ambit_tests::workspace_root().join("tests/fixtures/waypoint/base.yaml");
-    let text = std::fs::read_to_string(&base).unwrap();
+    let text = std::fs::read_to_string(&base).with_context(|| base.display().to_string())?;
     let (mut objects, errors) = ambit_config::parse_documents(&base, &text);
-    assert!(errors.is_empty(), "{errors:#?}");
+    anyhow::ensure!(errors.is_empty(), "{errors:#?}");
     let (more, errors) =
         ambit_config::parse_documents(std::path::Path::new("vs.yaml"), &vs(v1, v2));
-    assert!(errors.is_empty(), "{errors:#?}");
+    anyhow::ensure!(errors.is_empty(), "{errors:#?}");
     objects.extend(more);
-    Store::from_objects(objects)
+    Ok(Store::from_objects(objects))
 }
 
 fn text(s: &str) -> Value {
     Value {
         kind: Some(Kind::StringValue(s.into())),
     }
+}
+
+/// The node id of waypoint client `i` (the real Envoys count from
+/// `CLIENTS` on).
+fn node_id(i: usize) -> String {
+    format!(
+        "router~10.10.{}.{}~waypoint-{i}.shop~shop.svc.cluster.local",
+        i / 250,
+        i % 250 + 1
+    )
 }
 
 fn node(i: usize) -> Node {
@@ -96,11 +113,7 @@ fn node(i: usize) -> Node {
         .into(),
     };
     Node {
-        id: format!(
-            "router~10.10.{}.{}~waypoint-{i}.shop~shop.svc.cluster.local",
-            i / 250,
-            i % 250 + 1
-        ),
+        id: node_id(i),
         cluster: "waypoint.shop".into(),
         metadata: Some(Struct {
             fields: [
@@ -205,45 +218,71 @@ fn main() -> Result<()> {
     rt.block_on(bench())
 }
 
-async fn bench() -> Result<()> {
-    let clients = env_or("CLIENTS", 100);
-    let rounds = env_or("ROUNDS", 5);
-    let opts = ModelOptions::default();
-    let t = Instant::now();
-    let mut snap = build_snapshot(&store(80, 20), &Snapshot::default(), &opts);
-    let build = t.elapsed();
-    snap.synced = true;
-    let (tx, rx) = watch::channel(Arc::new(snap));
-    let access = XdsAccess::new(
-        Arc::new(StaticTokens::new([(
-            TOKEN.to_string(),
-            Caller::Workload {
-                namespace: "shop".into(),
-                service_account: "waypoint".into(),
-                node: None,
-            },
-        )])),
-        vec![],
-    );
-    let mut registry = prometheus_client::registry::Registry::default();
-    let server = XdsServer::new(
-        rx,
-        access,
-        Arc::new(ProxyRegistry::default()),
-        XdsMetrics::register(&mut registry),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(server.into_service())
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
-    let (ev_tx, mut ev_rx) = mpsc::channel(clients * 4);
-    let start = Instant::now();
-    // Set when the measurements are done: streams then end with the runtime.
+/// The real xDS server, serving what `tx` publishes over TCP (the
+/// lightweight clients) and a unix socket in `dir` (the real Envoys, in
+/// other network namespaces).
+struct Server {
+    tx: watch::Sender<Arc<Snapshot>>,
+    addr: std::net::SocketAddr,
+    dir: tempfile::TempDir,
+    registry: Arc<ProxyRegistry>,
+}
+
+impl Server {
+    async fn start(snap: Snapshot) -> Result<Server> {
+        let (tx, rx) = watch::channel(Arc::new(snap));
+        let access = XdsAccess::new(
+            Arc::new(StaticTokens::new([(
+                TOKEN.to_string(),
+                Caller::Workload {
+                    namespace: "shop".into(),
+                    service_account: "waypoint".into(),
+                    node: None,
+                },
+            )])),
+            vec![],
+        );
+        let registry = Arc::new(ProxyRegistry::default());
+        let mut metrics = prometheus_client::registry::Registry::default();
+        let service = XdsServer::new(
+            rx,
+            access,
+            registry.clone(),
+            XdsMetrics::register(&mut metrics),
+        )
+        .into_service();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(service.clone())
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let dir = tempfile::tempdir()?;
+        let unix = tokio::net::UnixListener::bind(dir.path().join("xds.sock"))?;
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(unix)),
+        );
+        Ok(Server {
+            tx,
+            addr,
+            dir,
+            registry,
+        })
+    }
+}
+
+/// Starts `n` lightweight clients; their events, and a flag to set before
+/// the runtime ends their streams.
+fn start_clients(
+    addr: std::net::SocketAddr,
+    n: usize,
+) -> (mpsc::Receiver<Event>, Arc<std::sync::atomic::AtomicBool>) {
+    let (ev_tx, ev_rx) = mpsc::channel(n * 4 + 1);
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    for i in 0..clients {
+    for i in 0..n {
         let ev = ev_tx.clone();
         let done = done.clone();
         tokio::spawn(async move {
@@ -254,56 +293,130 @@ async fn bench() -> Result<()> {
             }
         });
     }
+    (ev_rx, done)
+}
+
+/// Waits until `n` clients synced; the bytes one got.
+async fn wait_synced(events: &mut mpsc::Receiver<Event>, n: usize) -> Result<usize> {
     let mut full_bytes = 0;
-    for _ in 0..clients {
-        match tokio::time::timeout(Duration::from_secs(60), ev_rx.recv()).await {
+    for _ in 0..n {
+        match tokio::time::timeout(Duration::from_secs(60), events.recv()).await {
             Ok(Some(Event::Synced { bytes })) => full_bytes = bytes,
             Ok(Some(Event::Route { .. })) => {}
             _ => anyhow::bail!("not every client synced within 60 s"),
         }
     }
+    Ok(full_bytes)
+}
+
+/// Waits until all `n` clients got route weights `want`: when the first
+/// and the last did, and the bytes of one update.
+async fn wait_route(
+    events: &mut mpsc::Receiver<Event>,
+    n: usize,
+    want: &[u32],
+    since: Instant,
+) -> Result<(Duration, Duration, usize)> {
+    let (mut got, mut first, mut bytes) = (0, None, 0);
+    while got < n {
+        match tokio::time::timeout(Duration::from_secs(10), events.recv()).await {
+            Ok(Some(Event::Route { weights, bytes: b })) if weights == want => {
+                got += 1;
+                bytes = b;
+                first.get_or_insert_with(|| since.elapsed());
+            }
+            Ok(Some(_)) => {}
+            _ => anyhow::bail!("{got} of {n} clients got {want:?} within 10 s"),
+        }
+    }
+    Ok((first.unwrap_or_default(), since.elapsed(), bytes))
+}
+
+async fn bench() -> Result<()> {
+    let clients = env_or("CLIENTS", 100);
+    let rounds = env_or("ROUNDS", 5).max(1);
+    let opts = ModelOptions::default();
+    let t = Instant::now();
+    let mut snap = build_snapshot(&store(80, 20)?, &Snapshot::default(), &opts);
+    let build = t.elapsed();
+    snap.synced = true;
+    let server = Server::start(snap).await?;
+    let start = Instant::now();
+    let (mut events, done) = start_clients(server.addr, clients);
+    let full_bytes = wait_synced(&mut events, clients).await?;
     println!(
         "waypoint xDS: snapshot build {build:?}; {clients} waypoint clients hold the full config (CDS, EDS, LDS, RDS: {full_bytes} B each) {:?} after connecting",
         start.elapsed()
     );
-    let mut lasts = Vec::new();
+    let envoys = real::RealEnvoys::start(&server.dir.path().join("xds.sock"), clients).await?;
+    if let Some(e) = &envoys {
+        let took = e
+            .converged(&[80, 20], Instant::now(), Duration::from_secs(60))
+            .await?;
+        println!(
+            "  {} real Envoys hold the full config {:?} after starting (route polled in {})",
+            e.len(),
+            e.started.elapsed(),
+            e.describe(&took)
+        );
+    }
+    let (mut light, mut real_max) = (Vec::new(), Vec::new());
     for round in 0..rounds {
-        let (v1, v2) = if round % 2 == 0 { (100, 0) } else { (80, 20) };
-        let prev = tx.borrow().clone();
+        let want = if round % 2 == 0 { [100, 0] } else { [80, 20] };
+        let prev = server.tx.borrow().clone();
         let t = Instant::now();
-        let mut next = build_snapshot(&store(v1, v2), &prev, &opts);
+        let mut next = build_snapshot(&store(want[0], want[1])?, &prev, &opts);
         next.synced = true;
         let built = t.elapsed();
-        tx.send_replace(Arc::new(next));
-        let mut got = 0;
-        let mut first = None;
-        let mut bytes = 0;
-        while got < clients {
-            match tokio::time::timeout(Duration::from_secs(10), ev_rx.recv()).await {
-                Ok(Some(Event::Route { weights, bytes: b })) if weights == vec![v1, v2] => {
-                    got += 1;
-                    bytes = b;
-                    first.get_or_insert_with(|| t.elapsed());
-                }
-                Ok(Some(_)) => {}
-                _ => anyhow::bail!(
-                    "round {round}: {got} of {clients} clients got {v1}/{v2} within 10 s"
-                ),
+        server.tx.send_replace(Arc::new(next));
+        let real = async {
+            match &envoys {
+                Some(e) => e
+                    .converged(&want, t, Duration::from_secs(10))
+                    .await
+                    .map(Some),
+                None => Ok(None),
             }
-        }
-        let last = t.elapsed();
-        lasts.push(last);
+        };
+        let (lw, real) = tokio::join!(wait_route(&mut events, clients, &want, t), real);
+        let (first, last, bytes) = lw.with_context(|| format!("round {round}"))?;
+        let real = real.with_context(|| format!("round {round}: real Envoys"))?;
+        light.push(last);
+        let real_cell = match (&real, &envoys) {
+            (Some(took), Some(e)) => {
+                real_max.push(took.iter().map(|c| c.after).max().unwrap_or_default());
+                format!("; real Envoys {}", e.describe(took))
+            }
+            _ => String::new(),
+        };
         println!(
-            "  round {round}: {v1}/{v2}: rebuild {built:?}; first client {:?}, last {last:?}; route update {bytes} B per client",
-            first.unwrap_or_default()
+            "  round {round}: {}/{}: rebuild {built:?}; first client {first:?}, last {last:?}; route update {bytes} B per client{real_cell}",
+            want[0], want[1]
         );
     }
     done.store(true, std::sync::atomic::Ordering::Relaxed);
-    lasts.sort();
+    let nacks = server.registry.nacks();
+    if !nacks.is_empty() {
+        println!("  ! NACKs: {nacks:#?}");
+    }
     println!(
-        "one weight change to {clients} waypoint clients (snapshot publish to the last client holding it): median {:?}, max {:?} over {rounds} rounds",
-        lasts[lasts.len() / 2],
-        lasts[lasts.len() - 1]
+        "one weight change to {clients} waypoint clients (snapshot publish to the last client holding it): {} over {rounds} rounds",
+        median_max(&mut light)
     );
+    if let Some(e) = &envoys {
+        println!(
+            "the same change in {} real Envoys (publish to the last one's config_dump showing it): {}",
+            e.len(),
+            median_max(&mut real_max)
+        );
+    }
     Ok(())
+}
+
+fn median_max(v: &mut [Duration]) -> String {
+    v.sort();
+    match (v.get(v.len() / 2), v.last()) {
+        (Some(m), Some(x)) => format!("median {m:?}, max {x:?}"),
+        _ => "no rounds".to_string(),
+    }
 }

@@ -244,3 +244,63 @@ pub fn dump_names(dump: &Value, section: &str, list: &str) -> Vec<String> {
     out.sort();
     out
 }
+
+/// A waypoint Envoy's bootstrap for an in-process xDS server: Delta ADS
+/// over the unix socket `xds_socket`, authenticated by the bearer `token`,
+/// as waypoint `node_id` (`router~ip~pod.namespace~...`) of Gateway
+/// `namespace/gateway`; SDS from `sds_socket` (which may be absent: the
+/// listeners then stay warming, which does not affect ACKs or routes).
+/// Admin on an ephemeral loopback port.
+pub fn waypoint_bootstrap(
+    node_id: &str,
+    namespace: &str,
+    gateway: &str,
+    token: &str,
+    xds_socket: &Path,
+    sds_socket: &Path,
+) -> Value {
+    let pipe_cluster = |name: &str, path: &Path| {
+        serde_json::json!({
+            "name": name,
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"pipe": {"path": path.display().to_string()}}}}]}]},
+            "typed_extension_protocol_options": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": {"http2_protocol_options": {}}
+                }
+            }
+        })
+    };
+    serde_json::json!({
+        "node": {
+            "id": node_id,
+            "cluster": format!("{gateway}.{namespace}"),
+            "metadata": {
+                "NAMESPACE": namespace,
+                "LABELS": {"gateway.networking.k8s.io/gateway-name": gateway}
+            }
+        },
+        "dynamic_resources": {
+            "ads_config": {
+                "api_type": "DELTA_GRPC",
+                "transport_api_version": "V3",
+                "set_node_on_first_message_only": true,
+                "grpc_services": [{
+                    "envoy_grpc": {"cluster_name": "xds-grpc"},
+                    "initial_metadata": [{"key": "authorization", "value": format!("Bearer {token}")}]
+                }]
+            },
+            "cds_config": {"ads": {}, "resource_api_version": "V3"},
+            "lds_config": {"ads": {}, "resource_api_version": "V3"}
+        },
+        "static_resources": {"clusters": [pipe_cluster("xds-grpc", xds_socket), pipe_cluster("sds-grpc", sds_socket)]},
+        "bootstrap_extensions": [{
+            "name": "envoy.bootstrap.internal_listener",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener"}
+        }],
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}}
+    })
+}

@@ -1,5 +1,7 @@
-//! A tiny HTTP/1.1 app for L7 tests, run inside a pod on the test's
-//! runtime, and a keep-alive client that calls from inside a pod.
+//! A tiny HTTP app for L7 tests, run inside a pod on the test's runtime,
+//! and a keep-alive HTTP/1.1 client that calls from inside a pod. The app
+//! speaks HTTP/1.1 and, to a client that opens with the HTTP/2 preface,
+//! h2c (prior knowledge), on the same port.
 //!
 //! Every answer names the replica (`x-served-by` header and body), so a
 //! test can tell which version served a request. A test switches a
@@ -93,12 +95,7 @@ impl HttpApp {
                     accepted = listener.accept() => match accepted {
                         Ok((stream, _)) => {
                             let st = st.clone();
-                            conns.spawn(async move {
-                                let service = hyper::service::service_fn(move |req| answer(st.clone(), req));
-                                let _ = hyper::server::conn::http1::Builder::new()
-                                    .serve_connection(TokioIo::new(stream), service)
-                                    .await;
-                            });
+                            conns.spawn(serve(stream, st.clone()));
                         }
                         Err(e) => {
                             println!("http app: accept failed: {e}");
@@ -143,6 +140,47 @@ impl HttpApp {
     /// Forgets the arrivals so far.
     pub fn clear_arrivals(&self) {
         self.state.arrivals().clear();
+    }
+}
+
+/// The first bytes of an HTTP/2 connection (RFC 9113 §3.4).
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Serves one connection: h2c when it opens with the HTTP/2 preface,
+/// HTTP/1.1 otherwise.
+async fn serve(stream: tokio::net::TcpStream, st: Arc<State>) {
+    let service = hyper::service::service_fn(move |req| answer(st.clone(), req));
+    let io = TokioIo::new(stream);
+    if opens_with_h2_preface(io.inner()).await {
+        let _ = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .serve_connection(io, service)
+            .await;
+    } else {
+        let _ = hyper::server::conn::http1::Builder::new()
+            .serve_connection(io, service)
+            .await;
+    }
+}
+
+/// Whether the first bytes the peer sends are the HTTP/2 preface; peeks,
+/// so the bytes stay for the protocol's own reader.
+async fn opens_with_h2_preface(stream: &tokio::net::TcpStream) -> bool {
+    let mut buf = [0u8; H2_PREFACE.len()];
+    let deadline = Instant::now() + REQUEST_TIMEOUT;
+    loop {
+        let n = match tokio::time::timeout_at(deadline.into(), stream.peek(&mut buf)).await {
+            Ok(Ok(n)) => n,
+            _ => return false,
+        };
+        if n == 0 || buf[..n] != H2_PREFACE[..n] {
+            return false;
+        }
+        if n == H2_PREFACE.len() {
+            return true;
+        }
+        // A prefix of the preface so far (peek returns at once while any
+        // byte is queued): look again shortly.
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
 

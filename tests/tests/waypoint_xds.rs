@@ -15,10 +15,9 @@ use ambit_control::model::waypoint::{
 };
 use ambit_control::model::{ModelOptions, Snapshot, Store, build_snapshot};
 use ambit_control::xds::{ProxyRegistry, XdsAccess, XdsMetrics, XdsServer};
-use ambit_tests::envoy::{Envoy, dump_names};
+use ambit_tests::envoy::{Envoy, dump_names, waypoint_bootstrap};
 use ambit_tests::netbed::{self, Cluster};
 use prometheus_client::registry::Registry;
-use serde_json::{Value, json};
 use tokio::sync::watch;
 
 const TOKEN: &str = "shop-waypoint-token";
@@ -96,56 +95,6 @@ fn plan() -> WaypointPlan {
     }
 }
 
-/// The waypoint's bootstrap: ADS over a unix socket to the test's xDS
-/// server, authenticated by a bearer token; SDS from the agent's socket
-/// (absent here: listeners stay warming, which does not affect ACKs).
-fn bootstrap(xds_socket: &str, sds_socket: &str) -> Value {
-    let pipe_cluster = |name: &str, path: &str| {
-        json!({
-            "name": name,
-            "type": "STATIC",
-            "connect_timeout": "1s",
-            "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-                {"endpoint": {"address": {"pipe": {"path": path}}}}]}]},
-            "typed_extension_protocol_options": {
-                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                    "explicit_http_config": {"http2_protocol_options": {}}
-                }
-            }
-        })
-    };
-    json!({
-        "node": {
-            "id": "router~10.10.1.5~waypoint-0.shop~shop.svc.cluster.local",
-            "cluster": "waypoint.shop",
-            "metadata": {
-                "NAMESPACE": "shop",
-                "LABELS": {"gateway.networking.k8s.io/gateway-name": "waypoint"}
-            }
-        },
-        "dynamic_resources": {
-            "ads_config": {
-                "api_type": "DELTA_GRPC",
-                "transport_api_version": "V3",
-                "set_node_on_first_message_only": true,
-                "grpc_services": [{
-                    "envoy_grpc": {"cluster_name": "xds-grpc"},
-                    "initial_metadata": [{"key": "authorization", "value": format!("Bearer {TOKEN}")}]
-                }]
-            },
-            "cds_config": {"ads": {}, "resource_api_version": "V3"},
-            "lds_config": {"ads": {}, "resource_api_version": "V3"}
-        },
-        "static_resources": {"clusters": [pipe_cluster("xds-grpc", xds_socket), pipe_cluster("sds-grpc", sds_socket)]},
-        "bootstrap_extensions": [{
-            "name": "envoy.bootstrap.internal_listener",
-            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener"}
-        }],
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}}
-    })
-}
-
 /// A waypoint Envoy in a pod netns fed by an in-process xDS server over a
 /// unix socket; the xDS server serves what `snapshots` publishes.
 struct Bed {
@@ -184,14 +133,15 @@ async fn bed(snapshots: watch::Receiver<Arc<Snapshot>>) -> Bed {
             .add_service(server.into_service())
             .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
     );
-    let envoy = Envoy::start(
-        &bootstrap(
-            &xds_socket.display().to_string(),
-            &dir.path().join("sds.sock").display().to_string(),
-        ),
-        Some(&pod.netns),
-    )
-    .unwrap();
+    let bootstrap = waypoint_bootstrap(
+        "router~10.10.1.5~waypoint-0.shop~shop.svc.cluster.local",
+        "shop",
+        "waypoint",
+        TOKEN,
+        &xds_socket,
+        &dir.path().join("sds.sock"),
+    );
+    let envoy = Envoy::start(&bootstrap, Some(&pod.netns)).unwrap();
     Bed {
         _cluster: cluster,
         _dir: dir,
