@@ -1,0 +1,97 @@
+//! ambit-control raises its soft RLIMIT_NOFILE to the hard limit at start and
+//! logs it (benches/README.md, "File limits"): started here with a soft
+//! limit of 256, it runs with the hard one.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::resource::{Resource, getrlimit};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ambit-control");
+const LOW: u64 = 256;
+
+/// Soft and hard "Max open files" of `pid`.
+fn open_file_limits(pid: u32) -> Option<(u64, u64)> {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    let mut f = line["Max open files".len()..].split_whitespace();
+    Some((f.next()?.parse().ok()?, f.next()?.parse().ok()?))
+}
+
+/// The binary with `args`, started through `sh` with a soft
+/// open-file limit of [`LOW`]; its limits once raised and its log.
+fn limits_after_start(args: &[String]) -> ((u64, u64), String) {
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg(format!("ulimit -Sn {LOW} && exec \"$0\" \"$@\""))
+        .arg(BIN)
+        .args(args)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start ambit-control");
+    let pid = child.id();
+    // `sh` runs with the low limit until it execs the binary, which raises it.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut seen = None;
+    while Instant::now() < deadline {
+        seen = open_file_limits(pid);
+        if seen.is_some_and(|(soft, _)| soft != LOW) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let mut log = String::new();
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    let _ = child.wait();
+    (seen.expect("read the limits of ambit-control"), log)
+}
+
+#[test]
+fn raises_its_open_file_limit_to_the_hard_limit() {
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    if hard <= LOW {
+        eprintln!("SKIP: the hard open-file limit is only {hard}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config");
+    std::fs::create_dir(&config).unwrap();
+    let args = [
+        format!("--config-dir={}", config.display()),
+        format!("--data-dir={}", dir.path().join("data").display()),
+        "--xds-plaintext-addr=127.0.0.1:0".to_string(),
+        "--xds-tls-addr=127.0.0.1:0".into(),
+        "--monitoring-addr=127.0.0.1:0".into(),
+        "--tls-names=localhost".into(),
+    ];
+    let (limits, log) = limits_after_start(&args);
+    assert_eq!(
+        limits,
+        (hard, hard),
+        "ambit-control's open-file limits; its log:\n{log}"
+    );
+    assert!(
+        log.lines()
+            .any(|l| l.contains("open-file limit (RLIMIT_NOFILE)")
+                && l.contains(&format!("limit={hard}"))),
+        "the raised limit is logged:\n{log}"
+    );
+}
