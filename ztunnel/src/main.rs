@@ -5,6 +5,7 @@
 
 /// mimalloc: faster than glibc malloc for many small allocations across
 /// threads, and it returns freed memory instead of fragmenting.
+#[cfg(not(feature = "system-allocator"))]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
