@@ -6,6 +6,7 @@
 
 use std::io::Read;
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nix::sys::resource::{Resource, getrlimit};
@@ -19,6 +20,21 @@ fn open_file_limits(pid: u32) -> Option<(u64, u64)> {
     let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
     let mut f = line["Max open files".len()..].split_whitespace();
     Some((f.next()?.parse().ok()?, f.next()?.parse().ok()?))
+}
+
+/// Appends what `from` yields to `log`, on a thread.
+fn collect(mut from: Box<dyn Read + Send>, log: Arc<Mutex<String>>) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = from.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            log.lock()
+                .unwrap()
+                .push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    })
 }
 
 /// The binary with `args`, started through `sh` with a soft
@@ -36,31 +52,31 @@ fn limits_after_start(args: &[String]) -> ((u64, u64), String) {
         .spawn()
         .expect("start ambit-control");
     let pid = child.id();
-    // `sh` runs with the low limit until it execs the binary, which raises it.
+    let log = Arc::new(Mutex::new(String::new()));
+    let out = child.stdout.take().unwrap();
+    let err = child.stderr.take().unwrap();
+    let readers = [
+        collect(Box::new(out), log.clone()),
+        collect(Box::new(err), log.clone()),
+    ];
+    // `sh` runs with the low limit until it execs the binary, which raises
+    // it, then logs it.
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut seen = None;
     while Instant::now() < deadline {
         seen = open_file_limits(pid);
-        if seen.is_some_and(|(soft, _)| soft != LOW) {
+        let logged = log.lock().unwrap().contains("RLIMIT_NOFILE");
+        if logged && seen.is_some_and(|(soft, _)| soft != LOW) {
             break;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
     let _ = child.kill();
-    let mut log = String::new();
-    child
-        .stdout
-        .take()
-        .unwrap()
-        .read_to_string(&mut log)
-        .unwrap();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut log)
-        .unwrap();
     let _ = child.wait();
+    for r in readers {
+        let _ = r.join();
+    }
+    let log = log.lock().unwrap().clone();
     (seen.expect("read the limits of ambit-control"), log)
 }
 
