@@ -26,7 +26,11 @@
 //! comma-separated list of variants; default `1,200`), `--kinds
 //! tcp,tls-stalled,tls-idle` (c), `--settle SECS` (a: how long RSS is
 //! followed after the last app connections closed, past the HBONE pool's
-//! 60 s idle timeout; default 75). Needs root, `ip`, `iptables` and the
+//! 60 s idle timeout; default 75), `--rounds N` (a: rounds of app
+//! connections on the same ztunnels, default 2), `--direct 0` (a: skip
+//! the direct HBONE connections). `LOAD_LOG_DIR=DIR` copies each bed's
+//! logs there when it is taken down (e.g. `MIMALLOC_SHOW_STATS=1`'s
+//! report, which the ztunnels print at exit). Needs root, `ip`, `iptables` and the
 //! CNI reference plugins (prints SKIP otherwise). The bench raises its
 //! RLIMIT_NOFILE to 262,144 (soft and hard) where it may (root with
 //! CAP_SYS_RESOURCE), else its soft limit to the hard one, before starting
@@ -69,6 +73,10 @@ pub struct Opts {
     pub sources: Vec<usize>,
     pub kinds: Vec<String>,
     pub settle: Duration,
+    /// a: rounds of app connections on the same ztunnels.
+    pub rounds: usize,
+    /// a: also measure direct HBONE connections (on a fresh bed).
+    pub direct: bool,
 }
 
 /// `90`, `90s`, `5m`, `1h`, `1.5m`.
@@ -114,6 +122,8 @@ impl Opts {
             sources: vec![1, 200],
             kinds: vec!["tcp".into(), "tls-stalled".into(), "tls-idle".into()],
             settle: Duration::from_secs(75),
+            rounds: 2,
+            direct: true,
         };
         let mut set = |key: &str, v: &str| -> Result<()> {
             match key {
@@ -125,12 +135,15 @@ impl Opts {
                 "sources" => o.sources = list(v)?,
                 "kinds" => o.kinds = list(v)?,
                 "settle" => o.settle = parse_duration(v)?,
+                "rounds" => o.rounds = v.parse::<usize>().context("--rounds")?.max(1),
+                "direct" => o.direct = v != "0" && v != "false" && v != "no",
                 _ => bail!("unknown option --{key}"),
             }
             Ok(())
         };
         for key in [
-            "conns", "hold", "rates", "duration", "churn", "sources", "kinds", "settle",
+            "conns", "hold", "rates", "duration", "churn", "sources", "kinds", "settle", "rounds",
+            "direct",
         ] {
             if let Ok(v) = std::env::var(key.to_uppercase()) {
                 set(key, &v)?;

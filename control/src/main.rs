@@ -22,6 +22,7 @@ async fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| EnvFilter::new("info")),
         )
         .init();
+    raise_nofile_limit();
     let cfg = ambit_control::ControlConfig::parse();
     let cp = ambit_control::ControlPlane::start(cfg)
         .await
@@ -30,6 +31,39 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!("shutting down");
     cp.shutdown().await;
     Ok(())
+}
+
+/// Raises this process's soft RLIMIT_NOFILE to its hard limit, as Istio's
+/// ztunnel does: a service manager's default soft limit (1,024 under
+/// systemd) would cap the xDS and CA listeners at about a thousand
+/// proxies and clients while the hard limit allows far more. Logs the limit in effect; a failure is a warning,
+/// not fatal (the process runs with what it has).
+fn raise_nofile_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (soft, hard) = match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok(limits) => limits,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the open-file limit (RLIMIT_NOFILE)");
+            return;
+        }
+    };
+    if soft >= hard {
+        tracing::info!(limit = soft, "open-file limit (RLIMIT_NOFILE)");
+        return;
+    }
+    match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+        Ok(()) => tracing::info!(
+            limit = hard,
+            was = soft,
+            "raised the open-file limit (RLIMIT_NOFILE) to its hard limit"
+        ),
+        Err(e) => tracing::warn!(
+            limit = soft,
+            hard,
+            error = %e,
+            "cannot raise the open-file limit (RLIMIT_NOFILE) to its hard limit; running with the soft limit"
+        ),
+    }
 }
 
 async fn wait_for_signal() -> anyhow::Result<()> {

@@ -5,6 +5,7 @@
 
 /// mimalloc: faster than glibc malloc for many small allocations across
 /// threads, and it returns freed memory instead of fragmenting.
+#[cfg(not(feature = "system-allocator"))]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -29,6 +30,7 @@ fn main() -> ExitCode {
         .with(filter)
         .with(tracing_subscriber::fmt::layer().with_ansi(std::io::stdout().is_terminal()))
         .init();
+    raise_nofile_limit();
 
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -46,6 +48,39 @@ fn main() -> ExitCode {
             eprintln!("ztunnel: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Raises this process's soft RLIMIT_NOFILE to its hard limit, as Istio's
+/// ztunnel does: a service manager's default soft limit (1,024 under
+/// systemd) would cap the node's pods at a few hundred proxied connections
+/// (two sockets each, or more) while the hard limit allows far more. Logs the limit in effect; a failure is a warning,
+/// not fatal (the process runs with what it has).
+fn raise_nofile_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (soft, hard) = match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok(limits) => limits,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the open-file limit (RLIMIT_NOFILE)");
+            return;
+        }
+    };
+    if soft >= hard {
+        tracing::info!(limit = soft, "open-file limit (RLIMIT_NOFILE)");
+        return;
+    }
+    match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+        Ok(()) => tracing::info!(
+            limit = hard,
+            was = soft,
+            "raised the open-file limit (RLIMIT_NOFILE) to its hard limit"
+        ),
+        Err(e) => tracing::warn!(
+            limit = soft,
+            hard,
+            error = %e,
+            "cannot raise the open-file limit (RLIMIT_NOFILE) to its hard limit; running with the soft limit"
+        ),
     }
 }
 

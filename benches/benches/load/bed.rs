@@ -286,8 +286,15 @@ impl Bed {
                 cluster,
                 config,
                 _state,
+                zt_src,
+                zt_dst,
                 ..
             } = self;
+            if let Some(keep) = std::env::var_os("LOAD_LOG_DIR") {
+                // The ztunnels first, so what they print at exit is kept.
+                stop(&[zt_src, zt_dst]);
+                copy_logs(&cluster.log_dir(), Path::new(&keep));
+            }
             // The state and config dirs go after the cluster.
             let r = cluster.down();
             drop((config, _state));
@@ -296,6 +303,42 @@ impl Bed {
         .await?
         .context("local down")?;
         Ok(())
+    }
+}
+
+/// Sends SIGTERM to `pids` and waits (up to 10 s) until they are gone.
+fn stop(pids: &[u32]) {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    for &pid in pids {
+        let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let alive = |p: u32| {
+        std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| {
+            s.rsplit_once(')')
+                .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
+        })
+    };
+    while pids.iter().any(|&p| alive(p)) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Copies the `*.log` files of `from` into `to`, each prefixed with the
+/// time (beds of one run do not overwrite each other's).
+fn copy_logs(from: &Path, to: &Path) {
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default();
+    let _ = std::fs::create_dir_all(to);
+    for e in std::fs::read_dir(from).into_iter().flatten().flatten() {
+        let name = e.file_name();
+        let dest = to.join(format!("{stamp}-{}", name.to_string_lossy()));
+        if let Err(err) = std::fs::copy(e.path(), &dest) {
+            eprintln!("cannot keep {}: {err}", e.path().display());
+        }
     }
 }
 

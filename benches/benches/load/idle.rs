@@ -153,10 +153,14 @@ pub async fn run(bins: &std::path::Path, opts: &Opts) -> Result<()> {
     let app = app_conns(&bed, opts).await;
     bed.down().await?;
     let app = app?;
-    let bed = Bed::start(bins, "").await?;
-    let direct = direct_conns(&bed, opts).await;
-    bed.down().await?;
-    let direct = direct?;
+    let direct = if opts.direct {
+        let bed = Bed::start(bins, "").await?;
+        let direct = direct_conns(&bed, opts).await;
+        bed.down().await?;
+        Some(direct?)
+    } else {
+        None
+    };
 
     println!(
         "\n| idle connections | RSS before | RSS held | RSS 5 s after closing | per connection (RSS) |"
@@ -174,28 +178,54 @@ pub async fn run(bins: &std::path::Path, opts: &Opts) -> Result<()> {
             app.opened,
         );
     }
-    row(
-        &format!(
-            "{} direct HBONE conns to 15008: destination ztunnel",
-            direct.opened
-        ),
-        &direct.before[1],
-        &direct.held[1],
-        &direct.closed[1],
-        direct.opened,
+    if let Some(direct) = &direct {
+        row(
+            &format!(
+                "{} direct HBONE conns to 15008: destination ztunnel",
+                direct.opened
+            ),
+            &direct.before[1],
+            &direct.held[1],
+            &direct.closed[1],
+            direct.opened,
+        );
+    }
+    println!(
+        "\n{} rounds of {} app connections on the same ztunnels (each opened, held, closed):\n",
+        app.rounds.len(),
+        app.opened
     );
     println!(
-        "\nsecond round of {} app connections on the same ztunnels (opened, held, closed): RSS after closing source {} → {}, destination {} → {} (growth = not reused)",
-        app.opened,
-        mem_cell(&app.closed[0]),
-        mem_cell(&app.closed2[0]),
-        mem_cell(&app.closed[1]),
-        mem_cell(&app.closed2[1]),
+        "| round | source held | source 5 s after closing | destination held | destination 5 s after closing |"
     );
+    println!("|---|---|---|---|---|");
+    for (i, (held, closed)) in app.rounds.iter().enumerate() {
+        println!(
+            "| {} | {} | {} | {} | {} |",
+            i + 1,
+            mem_cell(&held[0]),
+            mem_cell(&closed[0]),
+            mem_cell(&held[1]),
+            mem_cell(&closed[1]),
+        );
+    }
+    if let Some((_, last)) = app.rounds.last() {
+        println!(
+            "after the last round: source {} → {}, destination {} → {} (growth = not reused); \
+             after settling {:.0} s more: source {}, destination {}",
+            mem_cell(&app.closed[0]),
+            mem_cell(&last[0]),
+            mem_cell(&app.closed[1]),
+            mem_cell(&last[1]),
+            opts.settle.as_secs_f64(),
+            mem_cell(&app.settled[0]),
+            mem_cell(&app.settled[1]),
+        );
+    }
     println!(
         "control plane: {} → {}",
         mem_cell(&app.before[2]),
-        mem_cell(&app.closed2[2])
+        mem_cell(&app.settled[2])
     );
     Ok(())
 }
@@ -204,10 +234,13 @@ pub async fn run(bins: &std::path::Path, opts: &Opts) -> Result<()> {
 struct Held {
     opened: usize,
     before: [Mem; 3],
+    /// While the first round is held, and 5 s after it closed.
     held: [Mem; 3],
     closed: [Mem; 3],
-    /// After a second round on the same ztunnels.
-    closed2: [Mem; 3],
+    /// Held and closed, per round on the same ztunnels.
+    rounds: Vec<([Mem; 3], [Mem; 3])>,
+    /// After the last round and `--settle`.
+    settled: [Mem; 3],
 }
 
 async fn app_conns(bed: &Bed, opts: &Opts) -> Result<Held> {
@@ -227,10 +260,9 @@ async fn app_conns(bed: &Bed, opts: &Opts) -> Result<Held> {
         mem_cell(&before[1]),
         mem_cell(&before[2])
     );
-    let mut held = before;
-    let mut closed = before;
+    let mut rounds = Vec::new();
     let mut opened = 0;
-    for round in 1..=2 {
+    for round in 1..=opts.rounds {
         let mut app = open_app(&sockets, dst, n).await;
         println!(
             "round {round}: {n} app connections mesh/client → mesh/server:{ECHO_PORT}: {}",
@@ -257,7 +289,14 @@ async fn app_conns(bed: &Bed, opts: &Opts) -> Result<Held> {
         drop(app);
         tokio::time::sleep(Duration::from_secs(5)).await;
         let c = bed.mem();
-        if round == 2 {
+        println!(
+            "  5 s after closing: RSS source {} / destination {}",
+            mem_cell(&c[0]),
+            mem_cell(&c[1])
+        );
+        opened = opened.max(count);
+        rounds.push((m, c));
+        if round == opts.rounds {
             // Does it come back once the pooled HBONE connections idle out?
             let t = Instant::now();
             while t.elapsed() < opts.settle {
@@ -279,19 +318,17 @@ async fn app_conns(bed: &Bed, opts: &Opts) -> Result<Held> {
                 );
             }
         }
-        if round == 1 {
-            (held, closed, opened) = (m, c, count);
-        } else {
-            return Ok(Held {
-                opened,
-                before,
-                held,
-                closed,
-                closed2: c,
-            });
-        }
     }
-    unreachable!("two rounds")
+    let (held, closed) = rounds[0];
+    let settled = bed.mem();
+    Ok(Held {
+        opened,
+        before,
+        held,
+        closed,
+        rounds,
+        settled,
+    })
 }
 
 async fn direct_conns(bed: &Bed, opts: &Opts) -> Result<Held> {
@@ -326,7 +363,8 @@ async fn direct_conns(bed: &Bed, opts: &Opts) -> Result<Held> {
         before,
         held,
         closed,
-        closed2: closed,
+        rounds: Vec::new(),
+        settled: closed,
     })
 }
 

@@ -130,6 +130,7 @@ fn install_config(args: &Args) -> Result<InstallConfig> {
 #[tokio::main]
 async fn main() -> ExitCode {
     ambit_cni::agent::logging::init();
+    raise_nofile_limit();
     let args = Args::parse();
     match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
@@ -137,6 +138,39 @@ async fn main() -> ExitCode {
             eprintln!("ambit-node-agent: error: {}", error_chain(&e));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Raises this process's soft RLIMIT_NOFILE to its hard limit, as Istio's
+/// ztunnel does: a service manager's default soft limit (1,024 under
+/// systemd) would cap the pods' netns handles and the ZDS and CNI sockets
+/// of a busy node while the hard limit allows far more. Logs the limit in effect; a failure is a warning,
+/// not fatal (the process runs with what it has).
+fn raise_nofile_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (soft, hard) = match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok(limits) => limits,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the open-file limit (RLIMIT_NOFILE)");
+            return;
+        }
+    };
+    if soft >= hard {
+        tracing::info!(limit = soft, "open-file limit (RLIMIT_NOFILE)");
+        return;
+    }
+    match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+        Ok(()) => tracing::info!(
+            limit = hard,
+            was = soft,
+            "raised the open-file limit (RLIMIT_NOFILE) to its hard limit"
+        ),
+        Err(e) => tracing::warn!(
+            limit = soft,
+            hard,
+            error = %e,
+            "cannot raise the open-file limit (RLIMIT_NOFILE) to its hard limit; running with the soft limit"
+        ),
     }
 }
 
