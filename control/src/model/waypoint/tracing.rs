@@ -52,8 +52,6 @@ const EXPORT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 /// The tracer of one waypoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TracingPlan {
-    /// The extension provider's name (for messages).
-    pub provider: String,
     /// The collector's hostname and OTLP/gRPC port.
     pub host: String,
     pub port: u16,
@@ -86,7 +84,8 @@ pub(super) fn plan_tracing(
     resolve: &ResolveHost<'_>,
     findings: &mut Vec<Finding>,
 ) -> Option<TracingPlan> {
-    let mesh = mesh_config(store);
+    let no_mesh_config = MeshConfig::default();
+    let mesh = mesh_config(store).unwrap_or(&no_mesh_config);
     let (settings, source) = effective_settings(store, plan);
     if settings.disable_span_reporting == Some(true) {
         return None;
@@ -130,7 +129,6 @@ pub(super) fn plan_tracing(
         (Vec::new(), Vec::new())
     });
     Some(TracingPlan {
-        provider: first.clone(),
         host,
         port: otel.port,
         sampling: settings
@@ -143,20 +141,13 @@ pub(super) fn plan_tracing(
     })
 }
 
-static NO_MESH_CONFIG: std::sync::LazyLock<MeshConfig> =
-    std::sync::LazyLock::new(MeshConfig::default);
-
 /// The mesh configuration: the `istio` ConfigMap of the first root
 /// namespace holding one.
-fn mesh_config(store: &Store) -> &MeshConfig {
-    ROOT_NAMESPACES
-        .iter()
-        .find_map(|ns| {
-            store
-                .space(ns)
-                .and_then(|objs| objs.mesh_configs.get(MESH_CONFIG_MAP))
-        })
-        .map_or(&NO_MESH_CONFIG, |m| &m.mesh)
+fn mesh_config(store: &Store) -> Option<&MeshConfig> {
+    ROOT_NAMESPACES.iter().find_map(|ns| {
+        let objs = store.space(ns)?;
+        objs.mesh_configs.get(MESH_CONFIG_MAP).map(|m| &m.mesh)
+    })
 }
 
 fn provider<'m>(mesh: &'m MeshConfig, name: &str) -> Option<&'m OpenTelemetryProvider> {
