@@ -62,6 +62,31 @@ fn list_calls(fake: &FakeApiServer, resource: &str) -> usize {
         .count()
 }
 
+/// Waits for `/debug/config_errors` to list something; the list.
+async fn config_errors(cp: &ambit_control::app::ControlPlane) -> Value {
+    eventually(LIMIT, "a rejection in /debug/config_errors", || async {
+        let body = get(cp.monitoring_addr(), "/debug/config_errors")
+            .await
+            .ok()?;
+        let v: Value = serde_json::from_str(&body).ok()?;
+        (!v.as_array()?.is_empty()).then_some(v)
+    })
+    .await
+    .unwrap()
+}
+
+/// Waits for `/debug/config_errors` to be empty again.
+async fn config_errors_cleared(cp: &ambit_control::app::ControlPlane) {
+    eventually(LIMIT, "the config errors to clear", || async {
+        let body = get(cp.monitoring_addr(), "/debug/config_errors")
+            .await
+            .ok()?;
+        (body.trim() == "[]").then_some(())
+    })
+    .await
+    .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn initial_list_and_watch_reach_ztunnels_within_a_second() {
     let fake = fake_with_mesh().await;
@@ -346,15 +371,7 @@ async fn rejected_object_keeps_its_last_good_version_and_names_itself() {
     let mut bad = fake.get("v1", "Service", "legacy", "legacy-web").unwrap();
     bad["spec"]["ports"] = json!([{"port": "eighty"}]);
     fake.apply(bad).unwrap();
-    let errors = eventually(LIMIT, "the rejection in /debug/config_errors", || async {
-        let body = get(cp.monitoring_addr(), "/debug/config_errors")
-            .await
-            .ok()?;
-        let v: Value = serde_json::from_str(&body).ok()?;
-        (!v.as_array()?.is_empty()).then_some(v)
-    })
-    .await
-    .unwrap();
+    let errors = config_errors(&cp).await;
     let e = &errors[0];
     assert_eq!(
         (
@@ -378,14 +395,7 @@ async fn rejected_object_keeps_its_last_good_version_and_names_itself() {
     let mut good = fake.get("v1", "Service", "legacy", "legacy-web").unwrap();
     good["spec"]["ports"] = json!([{"port": 80}]);
     fake.apply(good).unwrap();
-    eventually(LIMIT, "the error to clear", || async {
-        let body = get(cp.monitoring_addr(), "/debug/config_errors")
-            .await
-            .ok()?;
-        (body.trim() == "[]").then_some(())
-    })
-    .await
-    .unwrap();
+    config_errors_cleared(&cp).await;
     assert!(obs.held.contains(&svc));
     cp.shutdown().await;
 }
@@ -510,15 +520,7 @@ async fn the_mesh_config_map_and_telemetry_are_watched() {
     assert_eq!(body.trim(), "[]", "{body}");
 
     fake.apply(config_map("istio", broken)).unwrap();
-    let errors = eventually(LIMIT, "the mesh config's rejection", || async {
-        let body = get(cp.monitoring_addr(), "/debug/config_errors")
-            .await
-            .ok()?;
-        let v: Value = serde_json::from_str(&body).ok()?;
-        (!v.as_array()?.is_empty()).then_some(v)
-    })
-    .await
-    .unwrap();
+    let errors = config_errors(&cp).await;
     let e = &errors[0];
     assert_eq!(
         (
@@ -535,13 +537,6 @@ async fn the_mesh_config_map_and_telemetry_are_watched() {
     );
     let fixed = "extensionProviders: [{name: otel, opentelemetry: {service: otel.observability.svc.cluster.local, port: 4317}}]";
     fake.apply(config_map("istio", fixed)).unwrap();
-    eventually(LIMIT, "the error to clear", || async {
-        let body = get(cp.monitoring_addr(), "/debug/config_errors")
-            .await
-            .ok()?;
-        (body.trim() == "[]").then_some(())
-    })
-    .await
-    .unwrap();
+    config_errors_cleared(&cp).await;
     cp.shutdown().await;
 }
