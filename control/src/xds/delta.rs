@@ -8,15 +8,14 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::service::discovery::v3::{
-    DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource,
-};
+use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
 use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
 use tracing::debug;
 
 use super::generator::{Served, TypeSpec};
 use super::stream::{StreamCtx, StreamEnd};
+use super::wire::{DeltaChunk, OutgoingResource};
 use super::{CHUNK, FULL_SYNC_SLOT_TIMEOUT, LARGE_RESPONSE, Shared};
 use crate::ca::Caller;
 use crate::model::snapshot::{ResourceDelta, ResourceSet, Snapshot, XdsResource};
@@ -44,9 +43,12 @@ struct Subscription {
 }
 
 /// Resources to add or update and names to remove, for one response.
+/// The resources are the snapshot's own (`Arc`s): each chunk is turned into
+/// wire messages only when it is sent, so a full sync never holds a copy of
+/// every resource at once.
 #[derive(Debug, Default)]
 struct Changes {
-    resources: Vec<Resource>,
+    resources: Vec<Arc<XdsResource>>,
     removed: Vec<String>,
 }
 
@@ -68,7 +70,7 @@ impl Subscription {
         }
     }
 
-    fn to_resource(&self, res: &XdsResource) -> Resource {
+    fn to_outgoing(&self, res: &Arc<XdsResource>) -> OutgoingResource {
         let aliases = if self.names.is_empty() {
             Vec::new()
         } else {
@@ -78,12 +80,9 @@ impl Subscription {
                 .cloned()
                 .collect()
         };
-        Resource {
-            name: res.name.clone(),
+        OutgoingResource {
+            resource: res.clone(),
             aliases,
-            version: res.version.clone(),
-            resource: Some(res.body.clone()),
-            ..Default::default()
         }
     }
 
@@ -102,7 +101,7 @@ impl Subscription {
         let mut out = Changes::default();
         for res in set.by_name.values() {
             if held.get(&res.name) != Some(&res.version) {
-                out.resources.push(self.to_resource(res));
+                out.resources.push(res.clone());
             }
         }
         out.removed = held
@@ -119,7 +118,7 @@ impl Subscription {
         for (name, res) in &next.by_name {
             match prev.by_name.get(name) {
                 Some(p) if Arc::ptr_eq(p, res) || p.version == res.version => {}
-                _ => out.resources.push(self.to_resource(res)),
+                _ => out.resources.push(res.clone()),
             }
         }
         out.removed = prev
@@ -138,7 +137,7 @@ impl Subscription {
                 .changed
                 .iter()
                 .filter_map(|n| set.by_name.get(n))
-                .map(|r| self.to_resource(r))
+                .cloned()
                 .collect(),
             removed: d.removed.iter().cloned().collect(),
         }
@@ -163,7 +162,7 @@ impl Subscription {
                 && wanted.insert(&res.name)
                 && self.sent.get(&res.name) != Some(&res.version)
             {
-                out.resources.push(self.to_resource(res));
+                out.resources.push(res.clone());
             }
         }
         for r in &out.resources {
@@ -185,7 +184,7 @@ impl Subscription {
 
 pub(super) struct DeltaStream {
     ctx: StreamCtx,
-    tx: mpsc::Sender<Result<DeltaDiscoveryResponse, Status>>,
+    tx: mpsc::Sender<Result<DeltaChunk, Status>>,
     subs: Vec<Subscription>,
     nonce: u64,
     snap: Arc<Snapshot>,
@@ -206,7 +205,7 @@ impl DeltaStream {
         peer: String,
         caller: Caller,
         shared: Arc<Shared>,
-        tx: mpsc::Sender<Result<DeltaDiscoveryResponse, Status>>,
+        tx: mpsc::Sender<Result<DeltaChunk, Status>>,
     ) -> Self {
         Self {
             ctx: StreamCtx::new(id, peer, caller, "delta", shared),
@@ -425,7 +424,7 @@ impl DeltaStream {
                 let held = sub.wildcard || sub.sent.contains_key(&name);
                 let queued = changes.resources.iter().any(|r| r.name == name);
                 if let (true, false, Some(res)) = (held, queued, set.by_name.get(&name)) {
-                    changes.resources.push(sub.to_resource(res));
+                    changes.resources.push(res.clone());
                 }
             }
             if let Some(follower) = spec.resend_with {
@@ -485,10 +484,7 @@ impl DeltaStream {
             self.reserve_full_sync().await?;
         }
         let labels = vec![("type", spec.label)];
-        let bytes: usize = resources
-            .iter()
-            .map(|r| r.resource.as_ref().map_or(0, |a| a.value.len()))
-            .sum();
+        let bytes: usize = resources.iter().map(|r| r.body.value.len()).sum();
         let count = resources.len();
         let chunks = count.div_ceil(CHUNK).max(1);
         let m = &self.ctx.shared.metrics;
@@ -510,26 +506,26 @@ impl DeltaStream {
         for i in 0..chunks {
             let last = i + 1 == chunks;
             let part = resources.split_off(resources.len() - resources.len().min(CHUNK));
+            let part = part.iter().map(|r| self.subs[idx].to_outgoing(r)).collect();
             self.nonce += 1;
             nonce = format!("{}-{}", self.ctx.id, self.nonce);
             if last && let Some(slot) = self.sync_slot.as_mut().filter(|s| s.nonce.is_empty()) {
                 slot.nonce = nonce.clone();
             }
-            let resp = DeltaDiscoveryResponse {
+            let resp = DeltaChunk {
                 system_version_info: if last {
                     seq.to_string()
                 } else {
                     format!("{seq}{}", ambit_proto::PARTIAL_RESPONSE_MARKER)
                 },
                 resources: part,
-                type_url: type_url.to_string(),
+                type_url,
                 removed_resources: if last {
                     removed.take().unwrap_or_default()
                 } else {
                     Vec::new()
                 },
                 nonce: nonce.clone(),
-                ..Default::default()
             };
             self.tx
                 .send(Ok(resp))

@@ -11,22 +11,19 @@ pub mod access;
 mod delta;
 pub mod generator;
 pub mod proxy;
+mod service;
 mod sotw;
 pub mod status;
 mod stream;
 pub mod waypoint;
+mod wire;
 pub mod ztunnel;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
-    AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
-};
-use envoy_types::pb::envoy::service::discovery::v3::{
-    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
-};
+use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DiscoveryRequest};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -37,6 +34,8 @@ use crate::model::snapshot::Snapshot;
 pub use access::{AccessError, XdsAccess};
 pub use generator::{Generator, Generators, Served, TypeSpec};
 pub use proxy::{ProxyKind, ProxyNode};
+pub use service::AdsService;
+use service::{DeltaResponses, SotwResponses};
 pub use status::{ProxyRegistry, XdsMetrics};
 
 /// Responses a stream may have queued before it waits for the client.
@@ -118,10 +117,8 @@ impl XdsServer {
     }
 
     /// The tonic service to mount on a gRPC server.
-    pub fn into_service(self) -> AggregatedDiscoveryServiceServer<Self> {
-        AggregatedDiscoveryServiceServer::new(self)
-            .max_decoding_message_size(MAX_REQUEST_BYTES)
-            .max_encoding_message_size(usize::MAX)
+    pub fn into_service(self) -> AdsService {
+        AdsService::new(self, MAX_REQUEST_BYTES)
     }
 
     fn next_connection(&self) -> u64 {
@@ -149,15 +146,11 @@ fn peer_of<T>(req: &Request<T>) -> String {
         .unwrap_or_else(|| "unknown".to_string())
 }
 
-#[tonic::async_trait]
-impl AggregatedDiscoveryService for XdsServer {
-    type StreamAggregatedResourcesStream = ReceiverStream<Result<DiscoveryResponse, Status>>;
-    type DeltaAggregatedResourcesStream = ReceiverStream<Result<DeltaDiscoveryResponse, Status>>;
-
+impl XdsServer {
     async fn stream_aggregated_resources(
         &self,
         request: Request<Streaming<DiscoveryRequest>>,
-    ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
+    ) -> Result<Response<SotwResponses>, Status> {
         let peer = peer_of(&request);
         let caller = self.authenticate(&request, &peer).await?;
         let id = self.next_connection();
@@ -171,7 +164,7 @@ impl AggregatedDiscoveryService for XdsServer {
     async fn delta_aggregated_resources(
         &self,
         request: Request<Streaming<DeltaDiscoveryRequest>>,
-    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
+    ) -> Result<Response<DeltaResponses>, Status> {
         let peer = peer_of(&request);
         let caller = self.authenticate(&request, &peer).await?;
         let id = self.next_connection();
