@@ -64,6 +64,7 @@ pub enum AppError {
 pub struct ControlPlane {
     xds_addr: SocketAddr,
     xds_tls_addr: SocketAddr,
+    webhook_addr: Option<SocketAddr>,
     monitoring_addr: SocketAddr,
     snapshots: watch::Receiver<Arc<Snapshot>>,
     proxies: Arc<ProxyRegistry>,
@@ -177,12 +178,20 @@ impl ControlPlane {
             Some(bind("xDS (plaintext gRPC)", cfg.xds_plaintext_addr).await?)
         };
         let tls_listener = bind("xDS + CA (TLS gRPC)", cfg.xds_tls_addr).await?;
+        let webhook_listener = match cfg.injection_webhook_addr {
+            Some(addr) => Some(bind("sidecar injection webhook (HTTPS)", addr).await?),
+            None => None,
+        };
         let mon_listener = bind("monitoring (HTTP)", cfg.monitoring_addr).await?;
         let xds_addr = match &xds_listener {
             Some(l) => local_addr("xDS", l, cfg.xds_plaintext_addr)?,
             None => cfg.xds_plaintext_addr,
         };
         let xds_tls_addr = local_addr("xDS TLS", &tls_listener, cfg.xds_tls_addr)?;
+        let webhook_addr = match (&webhook_listener, cfg.injection_webhook_addr) {
+            (Some(l), Some(addr)) => Some(local_addr("injection webhook", l, addr)?),
+            _ => None,
+        };
         let monitoring_addr = local_addr("monitoring", &mon_listener, cfg.monitoring_addr)?;
 
         let (model, mut snapshots) = spawn_model(cfg.model_options());
@@ -277,6 +286,7 @@ impl ControlPlane {
             xds_metrics,
             tls_listener,
             xds_listener,
+            webhook_listener,
             shutdown: shutdown_rx.clone(),
         };
         match &source {
@@ -359,6 +369,7 @@ impl ControlPlane {
         Ok(Self {
             xds_addr,
             xds_tls_addr,
+            webhook_addr,
             monitoring_addr,
             snapshots,
             proxies,
@@ -402,6 +413,11 @@ impl ControlPlane {
     /// Where xDS and the CA are served over TLS (the production endpoint).
     pub fn xds_tls_addr(&self) -> SocketAddr {
         self.xds_tls_addr
+    }
+
+    /// Where the sidecar injection webhook is served, when it is.
+    pub fn webhook_addr(&self) -> Option<SocketAddr> {
+        self.webhook_addr
     }
 
     /// Where `/metrics`, `/ready` and `/debug` are served.
@@ -502,6 +518,7 @@ struct GrpcParts {
     xds_metrics: XdsMetrics,
     tls_listener: TcpListener,
     xds_listener: Option<TcpListener>,
+    webhook_listener: Option<TcpListener>,
     shutdown: watch::Receiver<bool>,
 }
 
@@ -532,6 +549,10 @@ impl GrpcParts {
             self.xds_metrics,
         );
         let tls_config = Arc::new(ca.server_tls_config(&cfg.tls_names)?);
+        let webhook = self.webhook_listener.map(|l| {
+            let settings = Arc::new(cfg.inject_settings());
+            crate::inject::webhook::serve(l, tls_config.clone(), settings, self.shutdown.clone())
+        });
         let tls_incoming =
             crate::tls_listener::incoming(self.tls_listener, tls_config, self.shutdown.clone());
         let mut incomings = vec![("TLS", Incoming::Tls(tls_incoming))];
@@ -569,7 +590,12 @@ impl GrpcParts {
             });
         }
         Ok(async move {
-            futures::future::join_all(servers).await;
+            let webhook = async move {
+                if let Some(w) = webhook {
+                    w.await;
+                }
+            };
+            futures::future::join(futures::future::join_all(servers), webhook).await;
         })
     }
 }

@@ -191,6 +191,25 @@ pub struct ControlConfig {
     /// Longest certificate lifetime issued, in seconds (longer requests are capped).
     #[arg(long, env = "MAX_CERT_TTL_SECS", default_value_t = 24 * 3600)]
     pub max_cert_ttl_secs: u64,
+
+    /// Address of the sidecar injection webhook (HTTPS, `POST /inject`),
+    /// served with the same CA-issued certificate as 15012. Off unless set
+    /// (the Kubernetes manifests set `0.0.0.0:15017`).
+    #[arg(long, env = "INJECTION_WEBHOOK_ADDR")]
+    pub injection_webhook_addr: Option<SocketAddr>,
+
+    /// Image injected sidecars run (`ambit-agent` and Envoy).
+    #[arg(
+        long,
+        env = "PROXY_IMAGE",
+        default_value = "ghcr.io/ambit-mesh/proxy:0.1.0"
+    )]
+    pub proxy_image: String,
+
+    /// The xDS/CA address injected sidecars dial; default
+    /// `https://ambit-control.<system-namespace>.svc:15012`.
+    #[arg(long, env = "INJECTION_XDS_ADDRESS")]
+    pub injection_xds_address: Option<String>,
 }
 
 impl ControlConfig {
@@ -226,6 +245,22 @@ impl ControlConfig {
             ca_dir: None,
             node_tokens_file: None,
             max_cert_ttl_secs: 24 * 3600,
+            injection_webhook_addr: None,
+            proxy_image: "ghcr.io/ambit-mesh/proxy:0.1.0".into(),
+            injection_xds_address: None,
+        }
+    }
+
+    /// What injected sidecars are made of, from the flags.
+    pub fn inject_settings(&self) -> crate::inject::InjectSettings {
+        crate::inject::InjectSettings {
+            proxy_image: self.proxy_image.clone(),
+            xds_address: self.injection_xds_address.clone().unwrap_or_else(|| {
+                format!("https://ambit-control.{}.svc:15012", self.system_namespace)
+            }),
+            trust_domain: self.trust_domain.clone(),
+            cluster_id: self.cluster_id.clone(),
+            ..Default::default()
         }
     }
 

@@ -7,6 +7,7 @@ pub mod ca;
 pub mod config;
 pub mod debug;
 pub mod http;
+pub mod inject;
 pub mod k8s;
 pub mod model;
 pub mod source;
