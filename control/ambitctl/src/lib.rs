@@ -19,6 +19,7 @@ pub mod authn;
 mod config;
 pub mod http;
 pub mod install;
+pub mod kube_inject;
 pub mod local;
 pub mod metrics;
 pub mod proxy_config;

@@ -39,6 +39,9 @@ enum Command {
     /// What a ztunnel holds: workloads, services, policies, certificates,
     /// and the connections it carried.
     ZtunnelConfig(commands::ztunnel_config::ZtunnelConfigArgs),
+    /// Adds the Envoy sidecar to pods and pod templates in a file, as the
+    /// injection webhook would.
+    KubeInject(commands::kube_inject::KubeInjectArgs),
     /// Authentication checks.
     #[command(subcommand)]
     Authn(commands::authn::AuthnCmd),
@@ -58,6 +61,7 @@ fn main() -> ExitCode {
         Command::ProxyStatus(args) => commands::proxy_status::run(args),
         Command::ProxyConfig(args) => commands::proxy_config::run(args),
         Command::ZtunnelConfig(args) => commands::ztunnel_config::run(args),
+        Command::KubeInject(args) => commands::kube_inject::run(args),
         Command::Authn(cmd) => commands::authn::run(cmd),
         Command::Install(args) => commands::install::install(args),
         Command::Uninstall(args) => commands::install::uninstall(args),

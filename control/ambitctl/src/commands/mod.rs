@@ -6,6 +6,7 @@
 pub mod analyze;
 pub mod authn;
 pub mod install;
+pub mod kube_inject;
 pub mod local;
 pub mod proxy_config;
 pub mod proxy_status;
