@@ -27,7 +27,7 @@ use crate::debug::{DebugState, ReadinessCheck, always_ready};
 use crate::k8s::ca_secret::{CaSecretError, CaSecretOptions, load_ca};
 use crate::k8s::gateway_status::{self, StatusOptions};
 use crate::k8s::leader::{LeaderElector, LeaseOptions};
-use crate::k8s::root_configmap;
+use crate::k8s::{root_configmap, webhook_ca};
 use crate::model::snapshot::Snapshot;
 use crate::model::spawn_model;
 use crate::source::file::{
@@ -342,10 +342,12 @@ impl ControlPlane {
                     match store.and_then(|store| grpc.servers(store, auth)) {
                         Ok(servers) => {
                             let _ = serving.send(true);
-                            // The leader publishes the root for ztunnels;
-                            // stops with the servers (this task).
+                            // The leader publishes the root for ztunnels and
+                            // sidecars and keeps the injection webhook's
+                            // caBundle; both stop with the servers (this task).
+                            let ca_bundle = webhook_ca::run(client.clone(), bundle.clone(), leader.clone());
                             let publish = root_configmap::run(client, ca_secrets.namespace, bundle, leader);
-                            tokio::join!(servers, publish);
+                            tokio::join!(servers, publish, ca_bundle);
                         }
                         Err(e) => error!(
                             error = %e,

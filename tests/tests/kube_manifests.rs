@@ -12,6 +12,7 @@ use std::time::Duration;
 use ambit_tests::fakeapi::{ApiCall, FakeApiServer};
 use ambit_tests::kubebed::{control_plane, namespace, pod, sa_token, wait_synced, yaml_docs};
 use ambit_tests::{eventually, workspace_root};
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{Namespace, PodTemplateSpec, Service, ServiceAccount};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -66,6 +67,7 @@ struct Parsed {
     cluster_role_bindings: Vec<ClusterRoleBinding>,
     roles: Vec<Role>,
     role_bindings: Vec<RoleBinding>,
+    webhooks: Vec<MutatingWebhookConfiguration>,
 }
 
 fn parse_all() -> Parsed {
@@ -87,6 +89,7 @@ fn parse_all() -> Parsed {
             "DaemonSet" => p.daemonsets.push(typed(&at, &doc)),
             "Service" => p.services.push(typed(&at, &doc)),
             "PodDisruptionBudget" => p.pdbs.push(typed(&at, &doc)),
+            "MutatingWebhookConfiguration" => p.webhooks.push(typed(&at, &doc)),
             other => panic!("{at}: unexpected kind {other}"),
         }
     }
@@ -109,6 +112,37 @@ fn every_manifest_is_its_typed_object_and_the_workloads_fit_together() {
     let p = parse_all();
     assert_eq!(p.deployments.len(), 1);
     assert_eq!(p.daemonsets.len(), 2);
+    // The injection webhooks call the control plane's Service on a port
+    // that reaches the webhook listener (15017), and never ambient pods.
+    assert_eq!(p.webhooks.len(), 1);
+    for hook in p.webhooks[0].webhooks.iter().flatten() {
+        let svc = hook.client_config.service.clone().unwrap();
+        assert_eq!(svc.path.as_deref(), Some("/inject"), "{}", hook.name);
+        let target = p
+            .services
+            .iter()
+            .find(|s| s.metadata.name.as_deref() == Some(svc.name.as_str()))
+            .and_then(|s| {
+                s.spec
+                    .clone()?
+                    .ports?
+                    .into_iter()
+                    .find(|pt| Some(pt.port) == svc.port)
+            })
+            .and_then(|pt| pt.target_port);
+        assert_eq!(target, Some(IntOrString::Int(15017)), "{}", hook.name);
+        let ns_sel = hook.namespace_selector.clone().unwrap_or_default();
+        let excludes_ambient = ns_sel.match_expressions.iter().flatten().any(|e| {
+            e.key == "istio.io/dataplane-mode"
+                && e.operator == "NotIn"
+                && e.values.iter().flatten().any(|v| v == "ambient")
+        });
+        assert!(
+            excludes_ambient,
+            "{}: ambient namespaces are never sent",
+            hook.name
+        );
+    }
     let sa_names: BTreeSet<String> = p
         .service_accounts
         .iter()
@@ -369,22 +403,48 @@ async fn rbac_grants_exactly_the_calls_the_control_plane_and_node_agent_make() {
         "web",
         sa_token("shop", "default", Some("web-0"), &["istio-ca"]),
     );
+    // The injector's webhook configuration as installed: no caBundle yet.
+    let injector = workspace_root().join("deploy/kubernetes/06-sidecar-injector.yaml");
+    for doc in yaml_docs(&injector).unwrap() {
+        fake.apply(doc).unwrap();
+    }
     let dir = tempfile::tempdir().unwrap();
 
-    // The first replica creates the Lease, the root Secret and ConfigMap,
-    // writes Gateway status and reviews a token.
+    // The first replica creates the Lease, the root Secret and the root
+    // ConfigMap in every namespace, sets the injector's caBundle, writes
+    // Gateway status and reviews a token.
     let a = control_plane(&fake, dir.path(), "a").await.unwrap();
     wait_synced(&a, LIMIT).await.unwrap();
-    eventually(LIMIT, "root ConfigMap and Gateway status", || async {
-        let cm = fake.get("v1", "ConfigMap", "ambit-system", "istio-ca-root-cert");
-        let gw = fake.get(
-            "gateway.networking.k8s.io/v1",
-            "Gateway",
-            "shop",
-            "waypoint",
-        );
-        (cm.is_some() && gw.is_some_and(|g| !g["status"].is_null())).then_some(())
-    })
+    eventually(
+        LIMIT,
+        "root ConfigMaps, caBundle and Gateway status",
+        || async {
+            let cm = fake.get("v1", "ConfigMap", "ambit-system", "istio-ca-root-cert");
+            let in_shop = fake.get("v1", "ConfigMap", "shop", "istio-ca-root-cert");
+            let hooks = fake.get(
+                "admissionregistration.k8s.io/v1",
+                "MutatingWebhookConfiguration",
+                "",
+                "ambit-sidecar-injector",
+            )?;
+            let bundles_set = hooks["webhooks"].as_array()?.iter().all(|h| {
+                h["clientConfig"]["caBundle"]
+                    .as_str()
+                    .is_some_and(|b| !b.is_empty())
+            });
+            let gw = fake.get(
+                "gateway.networking.k8s.io/v1",
+                "Gateway",
+                "shop",
+                "waypoint",
+            );
+            (cm.is_some()
+                && in_shop.is_some()
+                && bundles_set
+                && gw.is_some_and(|g| !g["status"].is_null()))
+            .then_some(())
+        },
+    )
     .await
     .unwrap();
     // A rejected object of every Istio kind: the leader reports each in

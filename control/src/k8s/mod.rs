@@ -19,6 +19,7 @@ pub mod config_status;
 pub mod gateway_status;
 pub mod leader;
 pub mod root_configmap;
+pub mod webhook_ca;
 
 /// Deadline of one API call (get, create, update, patch, TokenReview).
 pub const API_CALL_TIMEOUT: Duration = Duration::from_secs(5);

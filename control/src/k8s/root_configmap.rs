@@ -1,18 +1,19 @@
 //! The mesh's trust bundle in ConfigMap `istio-ca-root-cert` (key
-//! `root-cert.pem`, Istio's names) in the control plane's namespace, where
-//! ztunnel mounts it to verify the control plane on 15012.
+//! `root-cert.pem`, Istio's names) in every namespace but Kubernetes' own:
+//! ztunnel mounts it from the control plane's namespace to verify 15012,
+//! and injected sidecars mount it from their pod's namespace.
 //!
-//! Only the leader writes it: it creates the ConfigMap, or replaces its
-//! data when it differs from the CA's bundle, then checks again every
-//! [`RECHECK`] while leading (someone may delete or edit it).
+//! Only the leader writes it. Every [`SWEEP`] it lists the namespaces and
+//! publishes into those it has not published the current bundle to; every
+//! [`RECHECK`] it checks all of them again (someone may delete or edit one).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Client;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, ListParams, PostParams};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -21,30 +22,64 @@ use super::{K8sError, call};
 /// The ConfigMap's name and key, as Istio names them.
 pub const ROOT_CONFIGMAP: &str = "istio-ca-root-cert";
 pub const ROOT_CERT_KEY: &str = "root-cert.pem";
-/// How often the leader checks the ConfigMap again.
+/// How often the leader checks every namespace's ConfigMap again.
 pub const RECHECK: Duration = Duration::from_secs(60);
+/// How often the leader looks for namespaces it has not published to.
+pub const SWEEP: Duration = Duration::from_secs(5);
+/// Namespaces of Kubernetes itself: no mesh workload runs there.
+const SKIPPED: [&str; 3] = ["kube-system", "kube-public", "kube-node-lease"];
 
 /// Runs while the process lives: publishes `bundle` whenever this
-/// replica leads.
+/// replica leads. `system_namespace` is published first and always.
 pub async fn run(
     client: Client,
-    namespace: String,
+    system_namespace: String,
     bundle: String,
     mut leader: watch::Receiver<bool>,
 ) {
-    let api: Api<ConfigMap> = Api::namespaced(client, &namespace);
+    let namespaces: Api<Namespace> = Api::all(client.clone());
     loop {
         if leader.wait_for(|l| *l).await.is_err() {
             return;
         }
-        if let Err(e) = publish(&api, &namespace, &bundle).await {
-            warn!(error = %e, "cannot publish the mesh root in ConfigMap {namespace}/{ROOT_CONFIGMAP}; retrying");
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            continue;
-        }
-        tokio::select! {
-            () = tokio::time::sleep(RECHECK) => {}
-            _ = leader.wait_for(|l| !*l) => {}
+        // Namespaces holding the current bundle, as far as this leader knows.
+        let mut done: BTreeSet<String> = BTreeSet::new();
+        let mut recheck = tokio::time::Instant::now() + RECHECK;
+        loop {
+            if tokio::time::Instant::now() >= recheck {
+                done.clear();
+                recheck = tokio::time::Instant::now() + RECHECK;
+            }
+            let mut wanted = vec![system_namespace.clone()];
+            match call(
+                "listing namespaces",
+                namespaces.list_metadata(&ListParams::default()),
+            )
+            .await
+            {
+                Ok(list) => wanted.extend(list.items.into_iter().filter_map(|n| n.metadata.name)),
+                Err(e) => {
+                    warn!(error = %e, "cannot list namespaces to publish the mesh root; retrying")
+                }
+            }
+            for ns in wanted {
+                if SKIPPED.contains(&ns.as_str()) || done.contains(&ns) {
+                    continue;
+                }
+                let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+                match publish(&api, &ns, &bundle).await {
+                    Ok(()) => {
+                        done.insert(ns);
+                    }
+                    Err(e) => {
+                        warn!(error = %e, "cannot publish the mesh root in ConfigMap {ns}/{ROOT_CONFIGMAP}; retrying")
+                    }
+                }
+            }
+            tokio::select! {
+                () = tokio::time::sleep(SWEEP) => {}
+                _ = leader.wait_for(|l| !*l) => break,
+            }
         }
     }
 }

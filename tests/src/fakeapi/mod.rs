@@ -68,6 +68,12 @@ pub fn standard_resources() -> Vec<ResourceDef> {
             "tokenreviews",
             false,
         ),
+        r(
+            "admissionregistration.k8s.io/v1",
+            "MutatingWebhookConfiguration",
+            "mutatingwebhookconfigurations",
+            false,
+        ),
         r("apps/v1", "Deployment", "deployments", true),
         r("apps/v1", "DaemonSet", "daemonsets", true),
         r(

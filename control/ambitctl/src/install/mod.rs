@@ -23,7 +23,7 @@ use kube::{Client, Config};
 use serde_json::{Value, json};
 
 /// The manifests, in apply order.
-pub const MANIFESTS: [(&str, &str); 6] = [
+pub const MANIFESTS: [(&str, &str); 7] = [
     (
         "00-namespace.yaml",
         include_str!("../../../../deploy/kubernetes/00-namespace.yaml"),
@@ -47,6 +47,10 @@ pub const MANIFESTS: [(&str, &str); 6] = [
     (
         "05-node-agent.yaml",
         include_str!("../../../../deploy/kubernetes/05-node-agent.yaml"),
+    ),
+    (
+        "06-sidecar-injector.yaml",
+        include_str!("../../../../deploy/kubernetes/06-sidecar-injector.yaml"),
     ),
 ];
 
@@ -199,6 +203,7 @@ fn resource_of(doc: &Value) -> Result<(ApiResource, bool), InstallError> {
         "DaemonSet" => ("daemonsets", true),
         "Service" => ("services", true),
         "PodDisruptionBudget" => ("poddisruptionbudgets", true),
+        "MutatingWebhookConfiguration" => ("mutatingwebhookconfigurations", false),
         other => {
             return Err(InstallError::Manifest {
                 file: format!("{api_version} {other}"),
