@@ -30,6 +30,7 @@ pub mod bootstrap;
 pub mod config;
 pub mod envoy;
 pub mod envoy_admin;
+pub mod redirect;
 pub mod request_metrics;
 mod run;
 pub mod sds;

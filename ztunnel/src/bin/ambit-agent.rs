@@ -16,6 +16,17 @@ use tracing::info;
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
+    // `ambit-agent redirect ...`: the sidecar's init container, one shot.
+    if std::env::args().nth(1).as_deref() == Some("redirect") {
+        let args = agent::redirect::RedirectArgs::parse_from(std::env::args().skip(1));
+        return match agent::redirect::run(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("ambit-agent redirect: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let config = AgentConfig::parse();
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     tracing_subscriber::fmt()
