@@ -59,3 +59,103 @@ impl Generator for SidecarGenerator {
         ])
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use std::path::Path;
+    use std::sync::Arc;
+
+    use envoy_types::pb::envoy::config::core::v3::Node;
+
+    use super::*;
+    use crate::model::{ModelOptions, Store, build_snapshot};
+
+    fn snapshot(extra: &str, prev: &Snapshot) -> Snapshot {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+        let read = |p: &str| std::fs::read_to_string(dir.join(p)).unwrap();
+        let text = format!(
+            "{}\n---\n{}\n---\n{extra}",
+            read("waypoint/base.yaml"),
+            read("sidecar/base.yaml")
+        );
+        let (objects, errors) = ambit_config::parse_documents(Path::new("t.yaml"), &text);
+        assert!(errors.is_empty(), "{errors:#?}");
+        build_snapshot(&Store::from_objects(objects), prev, &ModelOptions::default())
+    }
+
+    fn proxy(id: &str) -> ProxyNode {
+        ProxyNode::from_node(Some(&Node {
+            id: id.into(),
+            ..Default::default()
+        }))
+    }
+
+    fn names(s: &Served) -> Vec<String> {
+        let mut out: Vec<String> = s.set.by_name.keys().cloned().collect();
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn a_sidecar_gets_its_namespace_and_its_own_pod_merged() {
+        let snap = snapshot("", &Snapshot::default());
+        let p = proxy("sidecar~10.10.2.10~client-0.legacy~legacy.svc.cluster.local");
+        assert_eq!(p.kind, ProxyKind::Sidecar);
+        let g = SidecarGenerator;
+        let lds = g.generate(&p, &snap, LISTENER_TYPE);
+        let got = names(&lds);
+        for l in ["virtualOutbound", "virtualInbound", "connect_terminate", "main_internal"] {
+            assert!(got.contains(&l.to_string()), "{l}: {got:?}");
+        }
+        let cds = names(&g.generate(&p, &snap, CLUSTER_TYPE));
+        assert!(cds.contains(&"InboundPassthroughCluster".to_string()), "{cds:?}");
+        assert!(cds.contains(&"PassthroughCluster".to_string()), "{cds:?}");
+        // Only the namespace has endpoints: its set comes back as is.
+        let eds = g.generate(&p, &snap, ENDPOINT_TYPE);
+        let shared = Served::from_snapshot(&snap, &namespace_scope("legacy"), ENDPOINT_TYPE);
+        assert!(Arc::ptr_eq(&eds.set, &shared.set));
+        // Another pod of the namespace shares the outbound set, not the inbound one.
+        let other = proxy("sidecar~10.10.2.99~ghost-0.legacy~legacy.svc.cluster.local");
+        let got = names(&g.generate(&other, &snap, LISTENER_TYPE));
+        assert!(got.contains(&"virtualOutbound".to_string()));
+        assert!(!got.contains(&"virtualInbound".to_string()), "{got:?}");
+    }
+
+    #[test]
+    fn the_merged_delta_is_the_union_of_the_scopes_changes() {
+        let first = snapshot("", &Snapshot::default());
+        let second = snapshot(
+            "
+apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: strict, namespace: legacy}
+spec:
+  mtls: {mode: STRICT}
+",
+            &first,
+        );
+        let p = proxy("sidecar~10.10.2.10~client-0.legacy~legacy.svc.cluster.local");
+        let lds = SidecarGenerator.generate(&p, &second, LISTENER_TYPE);
+        let delta = lds.delta.expect("both scopes have deltas");
+        assert_eq!(
+            delta.changed.iter().cloned().collect::<Vec<_>>(),
+            vec!["virtualInbound".to_string()]
+        );
+        assert!(delta.removed.is_empty());
+        // Nothing changed: an empty delta (no push).
+        let third = snapshot(
+            "
+apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: strict, namespace: legacy}
+spec:
+  mtls: {mode: STRICT}
+",
+            &second,
+        );
+        let lds = SidecarGenerator.generate(&p, &third, LISTENER_TYPE);
+        assert!(lds.delta.unwrap().is_empty());
+    }
+}
