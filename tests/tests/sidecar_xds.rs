@@ -144,7 +144,12 @@ impl Bed {
             .wait_config(Duration::from_secs(10), "the canary weights", |d| {
                 llm_weights(d) == want
             })
-            .unwrap_or_else(|e| panic!("{e}\nweights now: {:?}", self.envoy.config_dump().map(|d| llm_weights(&d))))
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{e}\nweights now: {:?}",
+                    self.envoy.config_dump().map(|d| llm_weights(&d))
+                )
+            })
     }
 }
 
@@ -152,7 +157,11 @@ impl Bed {
 fn llm_weights(dump: &Value) -> Vec<(String, u64)> {
     let mut out = Vec::new();
     for config in dump["configs"].as_array().into_iter().flatten() {
-        for rc in config["dynamic_route_configs"].as_array().into_iter().flatten() {
+        for rc in config["dynamic_route_configs"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
             let rc = &rc["route_config"];
             if rc["name"] != "80" {
                 continue;
@@ -211,7 +220,11 @@ async fn envoy_accepts_the_sidecar_config_and_follows_a_canary() {
         assert!(listeners.contains(&l.to_string()), "{l}: {listeners:?}");
     }
     let mut clusters = dump_names(&dump, "ClustersConfigDump", "dynamic_active_clusters");
-    clusters.extend(dump_names(&dump, "ClustersConfigDump", "dynamic_warming_clusters"));
+    clusters.extend(dump_names(
+        &dump,
+        "ClustersConfigDump",
+        "dynamic_warming_clusters",
+    ));
     for c in [
         format!("outbound|80||{LLM}"),
         format!("outbound|80|v1|{LLM}"),
@@ -224,16 +237,23 @@ async fn envoy_accepts_the_sidecar_config_and_follows_a_canary() {
     }
     // Default visibility: nothing of the legacy namespace.
     assert!(
-        !clusters.iter().any(|c| c.ends_with(".legacy.svc.cluster.local")),
+        !clusters
+            .iter()
+            .any(|c| c.ends_with(".legacy.svc.cluster.local")),
         "{clusters:?}"
     );
 
     // The weight change is an RDS update Envoy takes.
     let prev = tx.borrow().clone();
-    let next = build_snapshot(&canary("waypoint/corpus/02-canary-90-10.yaml"), &prev, &opts);
+    let next = build_snapshot(
+        &canary("waypoint/corpus/02-canary-90-10.yaml"),
+        &prev,
+        &opts,
+    );
     let seq = next.seq;
     tx.send_replace(Arc::new(next));
-    bed.acked(seq, "the 90/10 canary", Duration::from_secs(5)).await;
+    bed.acked(seq, "the 90/10 canary", Duration::from_secs(5))
+        .await;
     bed.wait_weights(&[("v1", 90), ("v2", 10)]);
 }
 
@@ -247,7 +267,12 @@ async fn envoy_accepts_the_routing_corpus_as_a_sidecar() {
     let corpus = ambit_tests::workspace_root().join("tests/fixtures/waypoint/corpus");
     let mut shapes: Vec<String> = std::fs::read_dir(&corpus)
         .unwrap()
-        .map(|e| format!("waypoint/corpus/{}", e.unwrap().file_name().to_string_lossy()))
+        .map(|e| {
+            format!(
+                "waypoint/corpus/{}",
+                e.unwrap().file_name().to_string_lossy()
+            )
+        })
         .collect();
     shapes.sort();
     assert!(shapes.len() >= 30, "the corpus has {} shapes", shapes.len());

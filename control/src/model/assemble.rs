@@ -9,9 +9,9 @@ use std::time::Instant;
 
 use super::index::LABEL_GATEWAY_NAME;
 use super::index::{WorkloadDraft, waypoint_scopes};
+use super::sidecar;
 use super::snapshot::{ResourceFamily, Snapshot, XdsResource};
 use super::store::{NamespaceObjects, Store};
-use super::sidecar;
 use super::waypoint::{self, WaypointPlan};
 use super::workloads::NsCx;
 use super::{ConfigError, ModelOptions};

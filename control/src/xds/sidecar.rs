@@ -4,10 +4,10 @@
 //! for) merged with its own inbound set (`sidecar/<namespace>/<pod>`).
 
 use super::{Generator, Served, TypeSpec};
-use crate::xds::proxy::{ProxyKind, ProxyNode};
 use crate::model::sidecar::{namespace_scope, pod_scope};
 use crate::model::snapshot::Snapshot;
 use crate::model::waypoint::{CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE};
+use crate::xds::proxy::{ProxyKind, ProxyNode};
 
 /// Serves sidecars their own Envoy configuration.
 #[derive(Debug, Default)]
@@ -82,7 +82,11 @@ mod tests {
         );
         let (objects, errors) = ambit_config::parse_documents(Path::new("t.yaml"), &text);
         assert!(errors.is_empty(), "{errors:#?}");
-        build_snapshot(&Store::from_objects(objects), prev, &ModelOptions::default())
+        build_snapshot(
+            &Store::from_objects(objects),
+            prev,
+            &ModelOptions::default(),
+        )
     }
 
     fn proxy(id: &str) -> ProxyNode {
@@ -106,11 +110,19 @@ mod tests {
         let g = SidecarGenerator;
         let lds = g.generate(&p, &snap, LISTENER_TYPE);
         let got = names(&lds);
-        for l in ["virtualOutbound", "virtualInbound", "connect_terminate", "main_internal"] {
+        for l in [
+            "virtualOutbound",
+            "virtualInbound",
+            "connect_terminate",
+            "main_internal",
+        ] {
             assert!(got.contains(&l.to_string()), "{l}: {got:?}");
         }
         let cds = names(&g.generate(&p, &snap, CLUSTER_TYPE));
-        assert!(cds.contains(&"InboundPassthroughCluster".to_string()), "{cds:?}");
+        assert!(
+            cds.contains(&"InboundPassthroughCluster".to_string()),
+            "{cds:?}"
+        );
         assert!(cds.contains(&"PassthroughCluster".to_string()), "{cds:?}");
         // Only the namespace has endpoints: its set comes back as is.
         let eds = g.generate(&p, &snap, ENDPOINT_TYPE);

@@ -74,7 +74,9 @@ pub fn clusters() -> Vec<XdsResource> {
 fn inbound_passthrough() -> Cluster {
     Cluster {
         name: INBOUND_PASSTHROUGH_CLUSTER.to_string(),
-        cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::OriginalDst as i32)),
+        cluster_discovery_type: Some(ClusterDiscoveryType::Type(
+            DiscoveryType::OriginalDst as i32,
+        )),
         lb_policy: LbPolicy::ClusterProvided as i32,
         connect_timeout: Some(duration(CONNECT_TIMEOUT)),
         upstream_bind_config: Some(BindConfig {
@@ -122,8 +124,14 @@ fn virtual_inbound(plan: &PodPlan, trust_domain: &str) -> Listener {
         name: VIRTUAL_INBOUND.to_string(),
         address: Some(socket_address(IpAddr::from([0, 0, 0, 0]), INBOUND_PORT)),
         listener_filters: vec![
-            listener_filter("envoy.filters.listener.original_dst", &OriginalDst::default()),
-            listener_filter("envoy.filters.listener.tls_inspector", &TlsInspector::default()),
+            listener_filter(
+                "envoy.filters.listener.original_dst",
+                &OriginalDst::default(),
+            ),
+            listener_filter(
+                "envoy.filters.listener.tls_inspector",
+                &TlsInspector::default(),
+            ),
         ],
         filter_chains: chains,
         ..Default::default()
@@ -316,7 +324,9 @@ fn hbone_inbound(plan: &PodPlan) -> Listener {
     chains.push(chain(&plan.other_ports, None));
     Listener {
         name: MAIN_INTERNAL.to_string(),
-        listener_specifier: Some(ListenerSpecifier::InternalListener(InternalListenerConfig {})),
+        listener_specifier: Some(ListenerSpecifier::InternalListener(
+            InternalListenerConfig {},
+        )),
         listener_filters: vec![listener_filter(
             "envoy.filters.listener.original_dst",
             &OriginalDst::default(),

@@ -77,7 +77,11 @@ pub const PROXY_CONTAINER: &str = "istio-proxy";
 /// proxy container.
 pub fn runs_sidecar(pod: &Pod) -> bool {
     pod.metadata.annotations.contains_key(STATUS_ANNOTATION)
-        || pod.spec.containers.iter().any(|c| c.name == PROXY_CONTAINER)
+        || pod
+            .spec
+            .containers
+            .iter()
+            .any(|c| c.name == PROXY_CONTAINER)
 }
 
 /// The scope of the outbound resources every sidecar of `namespace` shares.

@@ -43,21 +43,25 @@ use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
 use envoy_types::pb::envoy::r#type::matcher::v3::{StringMatcher, string_matcher::MatchPattern};
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind as ValueKind};
 
-use super::{BLACKHOLE_CLUSTER, NamespacePlan, OUTBOUND_PORT, PASSTHROUGH_CLUSTER, VIRTUAL_OUTBOUND};
+use super::{
+    BLACKHOLE_CLUSTER, NamespacePlan, OUTBOUND_PORT, PASSTHROUGH_CLUSTER, VIRTUAL_OUTBOUND,
+};
 use crate::model::snapshot::XdsResource;
 use crate::model::waypoint::clusters::{
     CONNECT_TIMEOUT, TUNNEL, internal_upstream, originate, raw_buffer, service_cluster,
     socket_address as endpoint_address, tunnel_endpoint,
 };
-use crate::model::waypoint::envoy::{SECRET_CERTIFICATE, SECRET_ROOTS, any, bool_value, duration, sds, stable_map};
+use crate::model::waypoint::envoy::{
+    SECRET_CERTIFICATE, SECRET_ROOTS, any, bool_value, duration, sds, stable_map,
+};
 use crate::model::waypoint::listeners::{
     connect_originate, host_range, http_filter, named_filter, socket_address,
 };
 use crate::model::waypoint::policy::{self, ClusterVariant};
 use crate::model::waypoint::routes::{FAULT_FILTER, domains, service_routes};
 use crate::model::waypoint::{
-    BoundEndpoint, BoundService, CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE,
-    Transport, cluster_name,
+    BoundEndpoint, BoundService, CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, Transport,
+    cluster_name,
 };
 
 /// Endpoint metadata namespace Envoy picks a transport socket match by.
@@ -76,7 +80,12 @@ pub fn clusters(plan: &NamespacePlan) -> Vec<XdsResource> {
     for svc in &plan.services {
         for port in &svc.ports {
             for v in policy::variants(svc.destination_rule.as_ref(), port.port) {
-                out.push(service_cluster_with_peers(svc, port.port, port.protocol.is_http(), &v));
+                out.push(service_cluster_with_peers(
+                    svc,
+                    port.port,
+                    port.protocol.is_http(),
+                    &v,
+                ));
             }
         }
     }
@@ -105,13 +114,22 @@ fn variant_endpoints<'a>(
 ) -> impl Iterator<Item = (&'a BoundEndpoint, u16)> + 'a {
     svc.endpoints
         .iter()
-        .filter(|e| v.selector.iter().all(|(k, val)| e.labels.get(k) == Some(val)))
+        .filter(|e| {
+            v.selector
+                .iter()
+                .all(|(k, val)| e.labels.get(k) == Some(val))
+        })
         .filter_map(move |e| Some((e, e.target_port(port)?)))
 }
 
 /// A service cluster: plaintext by default, HBONE or mTLS for the
 /// endpoints whose metadata asks for it.
-fn service_cluster_with_peers(svc: &BoundService, port: u16, http: bool, v: &ClusterVariant) -> Cluster {
+fn service_cluster_with_peers(
+    svc: &BoundService,
+    port: u16,
+    http: bool,
+    v: &ClusterVariant,
+) -> Cluster {
     let name = cluster_name(port, &v.subset, &svc.hostname);
     let mut cluster = service_cluster(name, http, &v.policy, raw_buffer());
     let peers: BTreeSet<&str> = variant_endpoints(svc, port, v)
@@ -185,7 +203,9 @@ fn peer_tls(sni: &str, peers: &BTreeSet<&str>) -> TransportSocket {
 fn passthrough() -> Cluster {
     Cluster {
         name: PASSTHROUGH_CLUSTER.to_string(),
-        cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::OriginalDst as i32)),
+        cluster_discovery_type: Some(ClusterDiscoveryType::Type(
+            DiscoveryType::OriginalDst as i32,
+        )),
         lb_policy: LbPolicy::ClusterProvided as i32,
         connect_timeout: Some(duration(CONNECT_TIMEOUT)),
         ..Default::default()
@@ -375,7 +395,11 @@ fn virtual_outbound(plan: &NamespacePlan) -> Listener {
 /// caller's namespace), and a catch-all for unknown hosts.
 pub fn routes(plan: &NamespacePlan) -> Vec<XdsResource> {
     let mut by_port: BTreeMap<u16, Vec<&BoundService>> = BTreeMap::new();
-    for svc in plan.services.iter().filter(|s| s.bound && !s.vips.is_empty()) {
+    for svc in plan
+        .services
+        .iter()
+        .filter(|s| s.bound && !s.vips.is_empty())
+    {
         for port in svc.ports.iter().filter(|p| p.protocol.is_http()) {
             by_port.entry(port.port).or_default().push(svc);
         }
@@ -406,7 +430,12 @@ pub fn routes(plan: &NamespacePlan) -> Vec<XdsResource> {
             validate_clusters: Some(bool_value(false)),
             ..Default::default()
         };
-        out.push(XdsResource::new(ROUTE_TYPE, rc.name.clone(), Vec::new(), &rc));
+        out.push(XdsResource::new(
+            ROUTE_TYPE,
+            rc.name.clone(),
+            Vec::new(),
+            &rc,
+        ));
     }
     out
 }

@@ -64,7 +64,9 @@ pub(crate) fn plan(
         .filter_map(|(i, pod)| pod_plan(store, &drafts[*i], pod, &catalog, keys, &mut findings))
         .collect();
     pod_plans.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-    findings.sort_by(|a, b| (&a.namespace, &a.name, &a.reason).cmp(&(&b.namespace, &b.name, &b.reason)));
+    findings.sort_by(|a, b| {
+        (&a.namespace, &a.name, &a.reason).cmp(&(&b.namespace, &b.name, &b.reason))
+    });
     findings.dedup();
     if let Some(first) = ns_plans.first_mut() {
         first.findings.extend(findings);
@@ -140,7 +142,11 @@ fn namespace_plan(
 /// The `Sidecar` whose egress hosts the namespace's sidecars follow: the
 /// namespace's own selector-less one (first by name), else a root
 /// namespace's; `None`: the default visibility.
-fn egress_config<'s>(store: &'s Store, ns: &str, findings: &mut Vec<Finding>) -> Option<&'s Sidecar> {
+fn egress_config<'s>(
+    store: &'s Store,
+    ns: &str,
+    findings: &mut Vec<Finding>,
+) -> Option<&'s Sidecar> {
     let sidecars = |n: &str| {
         store
             .spaces()
@@ -309,7 +315,12 @@ fn declared_ports(
             out.entry(target).or_insert(protocol);
         }
     }
-    for c in pod.spec.containers.iter().filter(|c| c.name != super::PROXY_CONTAINER) {
+    for c in pod
+        .spec
+        .containers
+        .iter()
+        .filter(|c| c.name != super::PROXY_CONTAINER)
+    {
         for p in &c.ports {
             out.entry(p.container_port)
                 .or_insert_with(|| Protocol::infer(None, &p.name));

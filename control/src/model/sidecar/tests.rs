@@ -104,9 +104,11 @@ fn outbound_listener_has_a_chain_per_service_port_and_a_passthrough() {
     };
     assert_eq!(
         port(&l),
-        Some(envoy_types::pb::envoy::config::core::v3::socket_address::PortSpecifier::PortValue(
-            15001
-        ))
+        Some(
+            envoy_types::pb::envoy::config::core::v3::socket_address::PortSpecifier::PortValue(
+                15001
+            )
+        )
     );
     // HTTP: the VIP:port chain reads the port's route configuration.
     let http = chain(&l, &format!("{LLM}:80"));
@@ -261,7 +263,10 @@ fn endpoints_are_reached_over_hbone_mtls_or_plaintext() {
         waypoint::ENDPOINT_TYPE,
         "outbound|8080||client.legacy.svc.cluster.local",
     );
-    assert_eq!(tls_mode(&cla.endpoints[0].lb_endpoints[0]).as_deref(), Some("istio"));
+    assert_eq!(
+        tls_mode(&cla.endpoints[0].lb_endpoints[0]).as_deref(),
+        Some("istio")
+    );
     let c: Cluster = get(
         &snap,
         &legacy,
@@ -273,15 +278,17 @@ fn endpoints_are_reached_over_hbone_mtls_or_plaintext() {
         .iter()
         .find(|m| m.name == "tlsMode-istio")
         .unwrap();
-    let Some(envoy_types::pb::envoy::config::core::v3::transport_socket::ConfigType::TypedConfig(a)) =
-        &tls.transport_socket.as_ref().unwrap().config_type
+    let Some(envoy_types::pb::envoy::config::core::v3::transport_socket::ConfigType::TypedConfig(
+        a,
+    )) = &tls.transport_socket.as_ref().unwrap().config_type
     else {
         panic!("no tls config")
     };
-    let ctx = envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::UpstreamTlsContext::decode(
-        a.value.as_slice(),
-    )
-    .unwrap();
+    let ctx =
+        envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::UpstreamTlsContext::decode(
+            a.value.as_slice(),
+        )
+        .unwrap();
     assert_eq!(ctx.sni, "outbound_.8080_._.client.legacy.svc.cluster.local");
     assert_eq!(
         ctx.common_tls_context.unwrap().alpn_protocols,
@@ -303,7 +310,12 @@ fn endpoints_are_reached_over_hbone_mtls_or_plaintext() {
 }
 
 fn inbound(snap: &Snapshot, ns: &str, pod: &str) -> Listener {
-    get(snap, &pod_scope(ns, pod), waypoint::LISTENER_TYPE, VIRTUAL_INBOUND)
+    get(
+        snap,
+        &pod_scope(ns, pod),
+        waypoint::LISTENER_TYPE,
+        VIRTUAL_INBOUND,
+    )
 }
 
 fn transport(c: &FilterChain) -> &str {
@@ -316,10 +328,24 @@ fn inbound_chains_follow_the_peer_authentication_mode() {
     let snap = snapshot("");
     let l = inbound(&snap, "legacy", "client-0");
     assert_eq!(transport(chain(&l, "inbound|8080||tls")), "tls");
-    assert_eq!(transport(chain(&l, "inbound|8080||plaintext")), "raw_buffer");
-    let listeners = names(&snap, &pod_scope("legacy", "client-0"), waypoint::LISTENER_TYPE);
-    assert_eq!(listeners, vec!["connect_terminate", "main_internal", VIRTUAL_INBOUND]);
-    let clusters = names(&snap, &pod_scope("legacy", "client-0"), waypoint::CLUSTER_TYPE);
+    assert_eq!(
+        transport(chain(&l, "inbound|8080||plaintext")),
+        "raw_buffer"
+    );
+    let listeners = names(
+        &snap,
+        &pod_scope("legacy", "client-0"),
+        waypoint::LISTENER_TYPE,
+    );
+    assert_eq!(
+        listeners,
+        vec!["connect_terminate", "main_internal", VIRTUAL_INBOUND]
+    );
+    let clusters = names(
+        &snap,
+        &pod_scope("legacy", "client-0"),
+        waypoint::CLUSTER_TYPE,
+    );
     assert!(clusters.contains(&INBOUND_PASSTHROUGH_CLUSTER.to_string()));
 
     // STRICT: one chain, TLS with a client certificate required.
@@ -343,8 +369,9 @@ spec:
         .collect();
     assert_eq!(strict.len(), 1);
     assert_eq!(transport(strict[0]), "");
-    let Some(envoy_types::pb::envoy::config::core::v3::transport_socket::ConfigType::TypedConfig(a)) =
-        &strict[0].transport_socket.as_ref().unwrap().config_type
+    let Some(envoy_types::pb::envoy::config::core::v3::transport_socket::ConfigType::TypedConfig(
+        a,
+    )) = &strict[0].transport_socket.as_ref().unwrap().config_type
     else {
         panic!("no tls")
     };
@@ -385,7 +412,8 @@ spec:
         waypoint::LISTENER_TYPE,
         "main_internal",
     );
-    let rbac: NetworkRbac = typed(chain(&hbone, "inbound|9090||hbone"), "ambit.tcp_rbac.allow").unwrap();
+    let rbac: NetworkRbac =
+        typed(chain(&hbone, "inbound|9090||hbone"), "ambit.tcp_rbac.allow").unwrap();
     let text = format!("{:?}", rbac.rules.unwrap().policies);
     assert!(text.contains("io.ambit.peer_principal"), "{text}");
 }
@@ -395,15 +423,40 @@ fn sidecars_see_their_namespace_and_the_root_by_default() {
     let snap = snapshot("");
     let legacy = namespace_scope("legacy");
     let clusters = names(&snap, &legacy, waypoint::CLUSTER_TYPE);
-    assert!(clusters.iter().any(|c| c.ends_with("|client.legacy.svc.cluster.local")));
-    assert!(clusters.iter().any(|c| c.ends_with("|istiod.istio-system.svc.cluster.local")));
-    assert!(!clusters.iter().any(|c| c.ends_with(".shop.svc.cluster.local")), "{clusters:?}");
+    assert!(
+        clusters
+            .iter()
+            .any(|c| c.ends_with("|client.legacy.svc.cluster.local"))
+    );
+    assert!(
+        clusters
+            .iter()
+            .any(|c| c.ends_with("|istiod.istio-system.svc.cluster.local"))
+    );
+    assert!(
+        !clusters
+            .iter()
+            .any(|c| c.ends_with(".shop.svc.cluster.local")),
+        "{clusters:?}"
+    );
     // Inbound sets only for sidecar pods (a container named istio-proxy
     // counts), outbound only for namespaces with one.
-    assert!(snap.set(&pod_scope("legacy", "client-0"), waypoint::LISTENER_TYPE).is_some());
-    assert!(snap.set(&pod_scope("legacy", "db-0"), waypoint::LISTENER_TYPE).is_none());
-    assert!(snap.set(&pod_scope("shop", "llm-v1-0"), waypoint::LISTENER_TYPE).is_none());
-    assert!(snap.set(&namespace_scope("istio-system"), waypoint::LISTENER_TYPE).is_none());
+    assert!(
+        snap.set(&pod_scope("legacy", "client-0"), waypoint::LISTENER_TYPE)
+            .is_some()
+    );
+    assert!(
+        snap.set(&pod_scope("legacy", "db-0"), waypoint::LISTENER_TYPE)
+            .is_none()
+    );
+    assert!(
+        snap.set(&pod_scope("shop", "llm-v1-0"), waypoint::LISTENER_TYPE)
+            .is_none()
+    );
+    assert!(
+        snap.set(&namespace_scope("istio-system"), waypoint::LISTENER_TYPE)
+            .is_none()
+    );
 }
 
 #[test]
@@ -421,10 +474,25 @@ spec:
     );
     let legacy = namespace_scope("legacy");
     let clusters = names(&snap, &legacy, waypoint::CLUSTER_TYPE);
-    assert!(clusters.contains(&format!("outbound|80||{LLM}")), "{clusters:?}");
-    assert!(!clusters.iter().any(|c| c.ends_with("|embed.shop.svc.cluster.local")));
-    assert!(!clusters.iter().any(|c| c.ends_with("|istiod.istio-system.svc.cluster.local")));
-    assert!(clusters.iter().any(|c| c.ends_with("|client.legacy.svc.cluster.local")));
+    assert!(
+        clusters.contains(&format!("outbound|80||{LLM}")),
+        "{clusters:?}"
+    );
+    assert!(
+        !clusters
+            .iter()
+            .any(|c| c.ends_with("|embed.shop.svc.cluster.local"))
+    );
+    assert!(
+        !clusters
+            .iter()
+            .any(|c| c.ends_with("|istiod.istio-system.svc.cluster.local"))
+    );
+    assert!(
+        clusters
+            .iter()
+            .any(|c| c.ends_with("|client.legacy.svc.cluster.local"))
+    );
     let l: Listener = get(&snap, &legacy, waypoint::LISTENER_TYPE, VIRTUAL_OUTBOUND);
     let fallback: TcpProxy = typed(l.default_filter_chain.as_ref().unwrap(), TCP).unwrap();
     assert_eq!(
@@ -443,8 +511,16 @@ spec:
 ",
     );
     let clusters = names(&snap, &legacy, waypoint::CLUSTER_TYPE);
-    assert!(clusters.iter().any(|c| c.ends_with("|embed.shop.svc.cluster.local")));
-    assert!(!clusters.iter().any(|c| c.ends_with("|client.legacy.svc.cluster.local")));
+    assert!(
+        clusters
+            .iter()
+            .any(|c| c.ends_with("|embed.shop.svc.cluster.local"))
+    );
+    assert!(
+        !clusters
+            .iter()
+            .any(|c| c.ends_with("|client.legacy.svc.cluster.local"))
+    );
 }
 
 #[test]
@@ -454,8 +530,20 @@ fn egress_hosts_match_istio_forms() {
     let m = |s: &str, svc_ns: &str, host: &str| plan::host_matches(&h(s), "legacy", svc_ns, host);
     assert!(m("./*", "legacy", "a.legacy.svc.cluster.local"));
     assert!(!m("./*", "shop", "a.shop.svc.cluster.local"));
-    assert!(m("*/a.shop.svc.cluster.local", "shop", "a.shop.svc.cluster.local"));
-    assert!(m("istio-system/*", "istio-system", "istiod.istio-system.svc.cluster.local"));
-    assert!(m("shop/*.shop.svc.cluster.local", "shop", "b.shop.svc.cluster.local"));
+    assert!(m(
+        "*/a.shop.svc.cluster.local",
+        "shop",
+        "a.shop.svc.cluster.local"
+    ));
+    assert!(m(
+        "istio-system/*",
+        "istio-system",
+        "istiod.istio-system.svc.cluster.local"
+    ));
+    assert!(m(
+        "shop/*.shop.svc.cluster.local",
+        "shop",
+        "b.shop.svc.cluster.local"
+    ));
     assert!(!m("~/*", "legacy", "a.legacy.svc.cluster.local"));
 }

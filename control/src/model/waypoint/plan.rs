@@ -32,8 +32,8 @@ use super::{
 };
 use crate::model::ModelOptions;
 use crate::model::index::{
-    Backing, DOMAIN_SUFFIX, WaypointRef, WaypointTraffic, WorkloadDraft, ip_from_bytes, waypoint_ref,
-    waypoint_serves,
+    Backing, DOMAIN_SUFFIX, WaypointRef, WaypointTraffic, WorkloadDraft, ip_from_bytes,
+    waypoint_ref, waypoint_serves,
 };
 use crate::model::store::Store;
 

@@ -358,13 +358,7 @@ fn retry_policy(r: Option<&RetryRule>) -> Option<RetryPolicy> {
     })
 }
 
-fn forward(
-    route: &mut Route,
-    f: &Forward,
-    m: &RequestMatch,
-    port: u16,
-    services: &[BoundService],
-) {
+fn forward(route: &mut Route, f: &Forward, m: &RequestMatch, port: u16, services: &[BoundService]) {
     let mut action = RouteAction {
         // Istio: no route timeout unless one is configured.
         timeout: Some(duration(f.timeout.unwrap_or(Duration::ZERO))),
