@@ -12,9 +12,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use ambit_config::networking::{NamespacedHost, OutboundTrafficMode, Sidecar};
+use ambit_config::networking::{
+    DestinationRule, NamespacedHost, OutboundTrafficMode, Sidecar, VirtualService,
+};
 use ambit_config::objects::{
-    AuthorizationPolicy, MtlsMode, Pod, ROOT_NAMESPACES, selector_matches,
+    AuthorizationPolicy, MtlsMode, Pod, ROOT_NAMESPACES, Service, selector_matches,
 };
 
 use super::{InboundPort, NamespacePlan, PeerMode, PodPlan, runs_sidecar};
@@ -38,18 +40,24 @@ pub(crate) fn plan(
     keys: &[String],
     opts: &ModelOptions,
 ) -> (Vec<NamespacePlan>, Vec<PodPlan>) {
-    let pods: Vec<(usize, &Pod)> = drafts
+    let pods: Vec<(&WorkloadDraft<'_>, &Pod)> = drafts
         .iter()
-        .enumerate()
-        .filter_map(|(i, d)| match d.backing {
-            Backing::Pod(p) if runs_sidecar(p) => Some((i, p)),
+        .filter_map(|d| match d.backing {
+            Backing::Pod(p) if runs_sidecar(p) => Some((d, p)),
             _ => None,
         })
         .collect();
     if pods.is_empty() {
         return (Vec::new(), Vec::new());
     }
-    let catalog = Catalog::new(store, drafts, keys);
+    let mesh = Mesh {
+        store,
+        catalog: Catalog::new(store, drafts, keys),
+        drafts,
+        opts,
+        virtual_services: virtual_services_by_host(store),
+        destination_rules: destination_rules_by_host(store),
+    };
     let namespaces: BTreeSet<&str> = pods
         .iter()
         .map(|(_, p)| p.metadata.namespace.as_str())
@@ -57,11 +65,11 @@ pub(crate) fn plan(
     let mut findings = Vec::new();
     let mut ns_plans: Vec<NamespacePlan> = namespaces
         .into_iter()
-        .map(|ns| namespace_plan(store, ns, &catalog, drafts, opts))
+        .map(|ns| namespace_plan(&mesh, ns))
         .collect();
     let mut pod_plans: Vec<PodPlan> = pods
         .iter()
-        .filter_map(|(i, pod)| pod_plan(store, &drafts[*i], pod, &catalog, keys, &mut findings))
+        .filter_map(|(draft, pod)| pod_plan(&mesh, draft, pod, keys, &mut findings))
         .collect();
     pod_plans.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
     findings.sort_by(|a, b| {
@@ -74,35 +82,50 @@ pub(crate) fn plan(
     (ns_plans, pod_plans)
 }
 
+/// What every namespace's plan reads, computed once.
+struct Mesh<'a, 'd> {
+    store: &'a Store,
+    catalog: Catalog<'a>,
+    drafts: &'a [WorkloadDraft<'d>],
+    opts: &'a ModelOptions,
+    virtual_services: BTreeMap<String, Vec<&'a VirtualService>>,
+    destination_rules: BTreeMap<String, Vec<&'a DestinationRule>>,
+}
+
+impl Mesh<'_, '_> {
+    /// The service `host` of `ns` as the sidecars see it: every endpoint,
+    /// with its transport, and the DestinationRule's subsets and policy.
+    fn service(&self, host: &str, ns: &str, svc: &Service) -> BoundService {
+        bound_service(
+            host,
+            ns,
+            svc,
+            &self.catalog,
+            self.drafts,
+            self.opts,
+            &self.destination_rules,
+            Reach::Any,
+        )
+    }
+}
+
 /// What the sidecars of `ns` see and how it is routed.
-fn namespace_plan(
-    store: &Store,
-    ns: &str,
-    catalog: &Catalog<'_>,
-    drafts: &[WorkloadDraft<'_>],
-    opts: &ModelOptions,
-) -> NamespacePlan {
+fn namespace_plan(mesh: &Mesh<'_, '_>, ns: &str) -> NamespacePlan {
     let mut findings = Vec::new();
-    let sidecar = egress_config(store, ns, &mut findings);
-    let virtual_services = virtual_services_by_host(store);
-    let destination_rules = destination_rules_by_host(store);
+    let sidecar = egress_config(mesh.store, ns, &mut findings);
     let mut services: Vec<BoundService> = Vec::new();
-    for (host, (svc_ns, svc)) in &catalog.services {
+    for (host, (svc_ns, svc)) in &mesh.catalog.services {
         if !visible(sidecar, ns, svc_ns, host) {
             continue;
         }
-        let mut bound = bound_service(
-            host,
-            svc_ns,
-            svc,
-            catalog,
-            drafts,
-            opts,
-            &destination_rules,
-            Reach::Any,
-        );
+        let mut bound = mesh.service(host, svc_ns, svc);
         bound.bound = true;
-        route_service(&mut bound, store, &virtual_services, &mut findings);
+        route_service(
+            &mut bound,
+            mesh.store,
+            &mesh.virtual_services,
+            &mut findings,
+        );
         services.push(bound);
     }
     // Services the rules send traffic to get clusters too.
@@ -114,17 +137,8 @@ fn namespace_plan(
         .filter(|h| !have.contains(h))
         .collect();
     for host in wanted {
-        if let Some((svc_ns, svc)) = catalog.services.get(&host) {
-            services.push(bound_service(
-                &host,
-                svc_ns,
-                svc,
-                catalog,
-                drafts,
-                opts,
-                &destination_rules,
-                Reach::Any,
-            ));
+        if let Some((svc_ns, svc)) = mesh.catalog.services.get(&host) {
+            services.push(mesh.service(&host, svc_ns, svc));
         }
     }
     findings.extend(subset_findings(&services));
@@ -203,10 +217,9 @@ pub(super) fn host_matches(h: &NamespacedHost, ns: &str, svc_ns: &str, host: &st
 
 /// The inbound side of one sidecar pod.
 fn pod_plan(
-    store: &Store,
+    mesh: &Mesh<'_, '_>,
     draft: &WorkloadDraft<'_>,
     pod: &Pod,
-    catalog: &Catalog<'_>,
     keys: &[String],
     findings: &mut Vec<Finding>,
 ) -> Option<PodPlan> {
@@ -221,9 +234,9 @@ fn pod_plan(
         return None;
     }
     let labels = &pod.metadata.labels;
-    let policies = bound_policies(store, ns, labels);
-    let declared = declared_ports(draft, pod, catalog, keys, &policies);
-    let decision = peer_authn::decide(store, ns, labels);
+    let policies = bound_policies(mesh.store, ns, labels);
+    let declared = declared_ports(draft, pod, &mesh.catalog, keys, &policies);
+    let decision = peer_authn::decide(mesh.store, ns, labels);
     let mode_of = |port: Option<u16>| {
         let written = port
             .and_then(|p| decision.ports.iter().find(|(x, _, _)| *x == p))
