@@ -14,6 +14,7 @@ use std::time::Duration;
 use ambit_control::ca::{Caller, StaticTokens};
 use ambit_control::model::{ModelOptions, Object, Snapshot, Store, build_snapshot};
 use ambit_control::xds::{ProxyRegistry, XdsAccess, XdsMetrics, XdsServer};
+use ambit_tests::agentbed::{Agent, AgentOptions, Plane};
 use ambit_tests::envoy::{Envoy, dump_names, waypoint_bootstrap};
 use ambit_tests::netbed::{self, Cluster};
 use prometheus_client::registry::Registry;
@@ -294,5 +295,114 @@ async fn envoy_accepts_the_routing_corpus_as_a_sidecar() {
         let seq = next.seq;
         tx.send_replace(Arc::new(next));
         bed.acked(seq, shape, Duration::from_secs(3)).await;
+    }
+}
+
+/// The names in one section of the agent's Envoy config dump
+/// (`resource=…`), of the entries that have `state` (any when empty).
+async fn agent_dump(agent: &Agent, resource: &str, state: &str) -> anyhow::Result<Vec<String>> {
+    let dump = ambit_tests::get(
+        agent.addr("admin"),
+        &format!("/config_dump?resource={resource}"),
+    )
+    .await?;
+    let v: Value = serde_json::from_str(&dump)?;
+    Ok(v["configs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|c| state.is_empty() || c.get(state).is_some())
+        .filter_map(|c| {
+            c["name"]
+                .as_str()
+                .or_else(|| c["cluster"]["name"].as_str())
+                .map(str::to_string)
+        })
+        .collect())
+}
+
+/// The sidecar generator and the agent's `--kind sidecar` bootstrap fit:
+/// with the agent's real certificate and roots over SDS, every listener
+/// (the TLS inbound chains among them) and every cluster (the mTLS and
+/// HBONE transport socket matches among them) goes active, nothing is
+/// NACKed, and the agent reports ready. The agent and Envoy run in this
+/// network namespace (the control plane listens on loopback), so 15001,
+/// 15006 and 15008 must be free here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sidecar_configuration_goes_active_with_the_agents_secrets() {
+    let envoy = ambit_tests::envoy::envoy_binary().unwrap_or_else(|e| panic!("{e}"));
+    for port in [15001, 15006, 15008] {
+        if std::net::TcpListener::bind(("0.0.0.0", port)).is_err() {
+            panic!("port {port} is taken on this host; the sidecar's listeners need it");
+        }
+    }
+    let fixtures = ambit_tests::workspace_root().join("tests/fixtures");
+    let yaml: Vec<String> = [
+        "waypoint/base.yaml",
+        "sidecar/base.yaml",
+        "waypoint/corpus/01-canary-80-20.yaml",
+    ]
+    .iter()
+    .map(|f| std::fs::read_to_string(fixtures.join(f)).unwrap())
+    .collect();
+    let plane = Plane::start_with(
+        &yaml.join("\n---\n"),
+        Duration::from_secs(24 * 3600),
+        ambit_control::xds::Generators::standard(),
+    )
+    .await
+    .unwrap();
+    let opts = AgentOptions {
+        kind: "sidecar".into(),
+        service_account: "legacy".into(),
+        pod_name: "legacy-0".into(),
+        pod_ip: "10.10.1.20".into(),
+        gateway: String::new(),
+        ..AgentOptions::new(format!("https://{}", plane.cp.xds_tls_addr()))
+    };
+    let mut agent = Agent::start(&plane, &envoy, &opts).await.unwrap();
+    let result = async {
+        ambit_tests::eventually(Duration::from_secs(30), "the agent is ready", || async {
+            let (status, _) = ambit_tests::http(agent.addr("status"), "GET", "/healthz/ready")
+                .await
+                .ok()?;
+            (status == 200).then_some(())
+        })
+        .await?;
+        let active = agent_dump(&agent, "dynamic_listeners", "active_state").await?;
+        for want in [
+            "virtualOutbound",
+            "virtualInbound",
+            "connect_terminate",
+            "main_internal",
+            "connect_originate;spiffe://cluster.local/ns/shop/sa/llm",
+        ] {
+            anyhow::ensure!(
+                active.iter().any(|l| l == want),
+                "listener {want} is not active; active: {active:?}"
+            );
+        }
+        println!("active listeners: {active:?}");
+        let warming = agent_dump(&agent, "dynamic_listeners", "warming_state").await?;
+        anyhow::ensure!(warming.is_empty(), "listeners still warming: {warming:?}");
+        let warming = agent_dump(&agent, "dynamic_warming_clusters", "").await?;
+        anyhow::ensure!(warming.is_empty(), "clusters still warming: {warming:?}");
+        let clusters = agent_dump(&agent, "dynamic_active_clusters", "").await?;
+        for want in [
+            format!("outbound|80|v1|{LLM}"),
+            "InboundPassthroughCluster".to_string(),
+        ] {
+            anyhow::ensure!(clusters.contains(&want), "{want} not active: {clusters:?}");
+        }
+        let nacks = ambit_tests::get(plane.cp.monitoring_addr(), "/debug/nacks").await?;
+        anyhow::ensure!(nacks.trim() == "[]", "Envoy NACKed: {nacks}");
+        agent.signal(nix::sys::signal::Signal::SIGTERM)?;
+        let status = agent.wait_exit(Duration::from_secs(20)).await?;
+        anyhow::ensure!(status.success(), "the agent exited with {status}");
+        Ok::<(), anyhow::Error>(())
+    }
+    .await;
+    if let Err(e) = result {
+        panic!("{e:#}\n--- agent log ---\n{}", agent.log_text());
     }
 }
