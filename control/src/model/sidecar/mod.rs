@@ -74,8 +74,16 @@ pub const STATUS_ANNOTATION: &str = "sidecar.istio.io/status";
 pub const PROXY_CONTAINER: &str = "istio-proxy";
 
 /// Whether `pod` runs an Envoy sidecar: injection marked it, or it has the
-/// proxy container.
+/// proxy container. A gateway's pod (a waypoint's among them, whose Envoy
+/// container has the same name) is no sidecar.
 pub fn runs_sidecar(pod: &Pod) -> bool {
+    if pod
+        .metadata
+        .labels
+        .contains_key(super::index::LABEL_GATEWAY_NAME)
+    {
+        return false;
+    }
     pod.metadata.annotations.contains_key(STATUS_ANNOTATION)
         || pod
             .spec

@@ -457,6 +457,26 @@ fn sidecars_see_their_namespace_and_the_root_by_default() {
         snap.set(&namespace_scope("istio-system"), waypoint::LISTENER_TYPE)
             .is_none()
     );
+    // A waypoint pod's Envoy container is named like a sidecar's: no sidecar.
+    let snap = snapshot(
+        "
+apiVersion: v1
+kind: Pod
+metadata:
+  name: waypoint-0
+  namespace: shop
+  labels: {gateway.networking.k8s.io/gateway-name: waypoint, istio.io/dataplane-mode: none}
+spec:
+  nodeName: node-1
+  serviceAccountName: waypoint
+  containers: [{name: istio-proxy}]
+status: {podIP: 10.10.1.5}
+",
+    );
+    assert!(
+        snap.set(&pod_scope("shop", "waypoint-0"), waypoint::LISTENER_TYPE)
+            .is_none()
+    );
 }
 
 #[test]
