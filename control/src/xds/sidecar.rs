@@ -135,6 +135,57 @@ mod tests {
         assert!(!got.contains(&"virtualInbound".to_string()), "{got:?}");
     }
 
+    fn part(names: &[&str], changed: &[&str], removed: Option<&[&str]>) -> Served {
+        use crate::model::snapshot::{ResourceDelta, ResourceSet, XdsResource};
+        let mut set = ResourceSet::default();
+        for n in names {
+            let l = envoy_types::pb::envoy::config::listener::v3::Listener {
+                name: n.to_string(),
+                ..Default::default()
+            };
+            let r = XdsResource::new(LISTENER_TYPE, n.to_string(), Vec::new(), &l);
+            set.by_name.insert(n.to_string(), Arc::new(r));
+        }
+        let own = |v: &[&str]| v.iter().map(|s| s.to_string()).collect();
+        Served {
+            set: Arc::new(set),
+            delta: removed.map(|r| {
+                Arc::new(ResourceDelta {
+                    changed: own(changed),
+                    removed: own(r),
+                })
+            }),
+        }
+    }
+
+    #[test]
+    fn merging_keeps_removals_moves_and_unknown_deltas_apart() {
+        // An empty part that removed nothing adds nothing: the other part
+        // comes back pointer-equal.
+        let a = part(&["a"], &[], Some(&[]));
+        let merged = Served::merge(vec![a.clone(), part(&[], &[], Some(&[]))]);
+        assert!(Arc::ptr_eq(&merged.set, &a.set));
+        // A part emptied by removals still reports them.
+        let merged = Served::merge(vec![
+            part(&["a"], &["a"], Some(&[])),
+            part(&[], &[], Some(&["b"])),
+        ]);
+        let d = merged.delta.clone().unwrap();
+        assert_eq!(d.removed.iter().collect::<Vec<_>>(), vec!["b"]);
+        assert_eq!(names(&merged), vec!["a"]);
+        // A name that moved between parts is changed, not removed.
+        let merged = Served::merge(vec![
+            part(&["x"], &["x"], Some(&[])),
+            part(&["y"], &[], Some(&["x"])),
+        ]);
+        assert!(merged.delta.unwrap().removed.is_empty());
+        // A part whose changes are unknown (a scope that vanished): no
+        // delta, the stream diffs the sets.
+        let merged = Served::merge(vec![part(&["a"], &[], Some(&[])), part(&[], &[], None)]);
+        assert!(merged.delta.is_none());
+        assert_eq!(names(&merged), vec!["a"]);
+    }
+
     #[test]
     fn the_merged_delta_is_the_union_of_the_scopes_changes() {
         let first = snapshot("", &Snapshot::default());
