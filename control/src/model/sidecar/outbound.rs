@@ -52,7 +52,7 @@ use crate::model::waypoint::clusters::{
     socket_address as endpoint_address, tunnel_endpoint,
 };
 use crate::model::waypoint::envoy::{
-    SECRET_CERTIFICATE, SECRET_ROOTS, any, bool_value, duration, sds, stable_map,
+    SECRET_CERTIFICATE, SECRET_ROOTS, ads, any, bool_value, duration, sds, stable_map, u32_value,
 };
 use crate::model::waypoint::listeners::{
     connect_originate, host_range, http_filter, named_filter, socket_address,
@@ -315,7 +315,7 @@ fn outbound_hcm(port: u16) -> Filter {
         stat_prefix: format!("outbound_0.0.0.0_{port}"),
         codec_type: CodecType::Auto as i32,
         route_specifier: Some(RouteSpecifier::Rds(Rds {
-            config_source: Some(crate::model::waypoint::envoy::ads()),
+            config_source: Some(ads()),
             route_config_name: route_config_name(port),
         })),
         http_filters: vec![
@@ -353,9 +353,7 @@ fn virtual_outbound(plan: &NamespacePlan) -> Listener {
             chains.push(FilterChain {
                 name: format!("{}:{}", svc.hostname, port.port),
                 filter_chain_match: Some(FilterChainMatch {
-                    destination_port: Some(crate::model::waypoint::envoy::u32_value(
-                        port.port.into(),
-                    )),
+                    destination_port: Some(u32_value(port.port.into())),
                     prefix_ranges: vips.into_iter().map(host_range).collect(),
                     ..Default::default()
                 }),
