@@ -273,8 +273,10 @@ pub struct AgentOptions {
     pub xds_address: String,
     /// `--ca-address`, when not the xDS address.
     pub ca_address: Option<String>,
-    /// The waypoint pod: namespace, node, service account, name, IP,
-    /// Gateway.
+    /// `--kind`: `waypoint` or `sidecar`.
+    pub kind: String,
+    /// The pod: namespace, node, service account, name, IP, Gateway (a
+    /// waypoint's; empty for a sidecar).
     pub namespace: String,
     pub node_name: String,
     pub service_account: String,
@@ -293,6 +295,7 @@ impl AgentOptions {
         AgentOptions {
             xds_address,
             ca_address: None,
+            kind: "waypoint".into(),
             namespace: "shop".into(),
             node_name: "node-1".into(),
             service_account: "wp".into(),
@@ -337,16 +340,11 @@ impl Agent {
         cmd.env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .env("RUST_LOG", "info")
-            .args(["--kind", "waypoint"])
+            .args(["--kind", &opts.kind])
             .args(["--namespace", &opts.namespace])
             .args(["--node-name", &opts.node_name])
             .args(["--service-account", &opts.service_account])
             .args(["--pod-name", &opts.pod_name, "--pod-ip", &opts.pod_ip])
-            .arg("--labels")
-            .arg(format!(
-                "gateway.networking.k8s.io/gateway-name={}",
-                opts.gateway
-            ))
             .args(["--xds-address", &opts.xds_address])
             .arg("--root-cert")
             .arg(root_cert)
@@ -362,6 +360,12 @@ impl Agent {
             .stdout(out.try_clone()?)
             .stderr(out)
             .process_group(0);
+        if !opts.gateway.is_empty() {
+            cmd.arg("--labels").arg(format!(
+                "gateway.networking.k8s.io/gateway-name={}",
+                opts.gateway
+            ));
+        }
         if let Some(ca) = &opts.ca_address {
             cmd.args(["--ca-address", ca]);
         }

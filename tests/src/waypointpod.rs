@@ -84,6 +84,7 @@ impl WaypointPod {
         let opts = AgentOptions {
             xds_address: format!("https://127.0.0.1:{XDS_RELAY_PORT}"),
             ca_address: None,
+            kind: "waypoint".into(),
             namespace: s.namespace.clone(),
             node_name: s.node_name.clone(),
             service_account: s.service_account.clone(),

@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use ambit_control::ca::{Caller, StaticTokens};
 use ambit_control::model::waypoint::{
-    BoundEndpoint, BoundPort, BoundService, BoundWorkload, Protocol, WaypointPlan, families,
+    BoundEndpoint, BoundPort, BoundService, BoundWorkload, Protocol, Transport, WaypointPlan,
+    families,
 };
 use ambit_control::model::{ModelOptions, Snapshot, Store, build_snapshot};
 use ambit_control::xds::{ProxyRegistry, XdsAccess, XdsMetrics, XdsServer};
@@ -30,6 +31,7 @@ fn endpoint(ip: [u8; 4], sa: &str, version: &str) -> BoundEndpoint {
         labels: BTreeMap::from([("version".to_string(), version.to_string())]),
         workload: Default::default(),
         healthy: true,
+        transport: Transport::Hbone,
     }
 }
 

@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use super::index::LABEL_GATEWAY_NAME;
 use super::index::{WorkloadDraft, waypoint_scopes};
+use super::sidecar;
 use super::snapshot::{ResourceFamily, Snapshot, XdsResource};
 use super::store::{NamespaceObjects, Store};
 use super::waypoint::{self, WaypointPlan};
@@ -25,6 +26,10 @@ pub struct Translated {
     pub authorizations: Vec<XdsResource>,
     /// What each waypoint serves (its Envoy resources are built from it).
     pub waypoints: Vec<WaypointPlan>,
+    /// What each namespace's sidecars reach (outbound, shared).
+    pub sidecar_namespaces: Vec<sidecar::NamespacePlan>,
+    /// What each sidecar pod accepts (inbound).
+    pub sidecar_pods: Vec<sidecar::PodPlan>,
 }
 
 /// Translates the whole store.
@@ -52,6 +57,7 @@ pub fn translate(store: &Store, opts: &ModelOptions) -> Translated {
     authz::apply_root_policies(&root_policies, &mut wls);
     peer_authn::apply(store, &mut wls, &mut out.authorizations);
     out.waypoints = waypoint::plan(store, &wls, &keys, opts);
+    (out.sidecar_namespaces, out.sidecar_pods) = sidecar::plan(store, &wls, &keys, opts);
     out.addresses.reserve(wls.len());
     for wl in wls {
         out.addresses.push(encode::workload_resource(wl, &keys));
@@ -120,6 +126,12 @@ pub fn build_snapshot(store: &Store, prev: &Snapshot, opts: &ModelOptions) -> Sn
     for plan in &out.waypoints {
         families.extend(waypoint::families(plan, &opts.trust_domain));
     }
+    for plan in &out.sidecar_namespaces {
+        families.extend(sidecar::namespace_families(plan));
+    }
+    for plan in &out.sidecar_pods {
+        families.extend(sidecar::pod_families(plan, &opts.trust_domain));
+    }
     let sets = Snapshot::build_sets(prev, families);
     let mut errors = store.errors();
     // What translation found wrong across objects (a route to an undefined
@@ -129,6 +141,13 @@ pub fn build_snapshot(store: &Store, prev: &Snapshot, opts: &ModelOptions) -> Sn
         out.waypoints
             .iter()
             .flat_map(|p| &p.findings)
+            .chain(
+                out.sidecar_namespaces
+                    .iter()
+                    .flat_map(|p| &p.findings)
+                    // The waypoints may have reported the same mistake.
+                    .filter(|f| !out.waypoints.iter().any(|w| w.findings.contains(f))),
+            )
             .map(|f| ConfigError {
                 file: String::new(),
                 document: 0,

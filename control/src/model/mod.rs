@@ -27,6 +27,7 @@ mod authz;
 mod encode;
 mod index;
 pub mod peer_authn;
+pub mod sidecar;
 pub mod snapshot;
 pub mod store;
 pub mod waypoint;

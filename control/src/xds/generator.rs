@@ -13,6 +13,11 @@ use std::fmt;
 use std::sync::Arc;
 
 use super::proxy::{ProxyKind, ProxyNode};
+
+// The sidecar generator lives beside the others (`xds/sidecar.rs`); it is
+// declared here so registering it stays within this file.
+#[path = "sidecar.rs"]
+pub mod sidecar;
 use crate::model::snapshot::{ResourceDelta, ResourceSet, Snapshot, empty_set};
 
 /// One xDS type a generator serves.
@@ -58,6 +63,46 @@ impl Served {
     }
 }
 
+impl Served {
+    /// The union of sets from several scopes whose names do not overlap
+    /// (one proxy served more than one scope). An empty part with nothing
+    /// removed adds nothing, so when only one part has content it comes
+    /// back as is (pointer-equal while unchanged); otherwise the union is
+    /// a new set, with the parts' deltas joined when every part has one.
+    pub fn merge(parts: Vec<Served>) -> Served {
+        let quiet = |s: &Served| {
+            s.set.by_name.is_empty() && s.delta.as_ref().is_some_and(|d| d.removed.is_empty())
+        };
+        let mut loud: Vec<Served> = parts.into_iter().filter(|p| !quiet(p)).collect();
+        if loud.len() <= 1 {
+            return loud.pop().unwrap_or_else(Served::empty);
+        }
+        let mut set = ResourceSet::default();
+        let mut delta = Some(ResourceDelta::default());
+        for part in &loud {
+            set.by_name
+                .extend(part.set.by_name.iter().map(|(k, v)| (k.clone(), v.clone())));
+            set.aliases
+                .extend(part.set.aliases.iter().map(|(k, v)| (k.clone(), v.clone())));
+            match (&mut delta, &part.delta) {
+                (Some(d), Some(p)) => {
+                    d.changed.extend(p.changed.iter().cloned());
+                    d.removed.extend(p.removed.iter().cloned());
+                }
+                _ => delta = None,
+            }
+        }
+        if let Some(d) = &mut delta {
+            // A name that moved from one part to another is not gone.
+            d.removed.retain(|n| !set.by_name.contains_key(n));
+        }
+        Served {
+            set: Arc::new(set),
+            delta: delta.map(Arc::new),
+        }
+    }
+}
+
 /// What one kind of proxy is served.
 pub trait Generator: Send + Sync + fmt::Debug {
     /// The kind of proxy this generator serves.
@@ -97,6 +142,7 @@ impl Generators {
         let mut g = Generators::empty();
         g.register(Arc::new(super::ztunnel::ZtunnelGenerator));
         g.register(Arc::new(super::waypoint::WaypointGenerator));
+        g.register(Arc::new(sidecar::SidecarGenerator));
         g
     }
 

@@ -50,11 +50,11 @@ use super::{
 use crate::model::snapshot::XdsResource;
 
 /// Metadata namespace carrying an endpoint's real address.
-const TUNNEL: &str = "tunnel";
+pub(crate) const TUNNEL: &str = "tunnel";
 /// ... and its key.
 const DESTINATION: &str = "destination";
 /// Connect timeout of the HBONE hop to an endpoint's ztunnel.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Typed protocol options key of upstream HTTP options.
 const HTTP_OPTIONS: &str = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
 
@@ -69,6 +69,7 @@ pub fn clusters(plan: &WaypointPlan) -> Vec<XdsResource> {
                     cluster_name(port.port, &v.subset, &svc.hostname),
                     port.protocol.is_http(),
                     &v.policy,
+                    internal_upstream(&[TUNNEL]),
                 ));
             }
         }
@@ -125,7 +126,7 @@ fn collector(t: &TracingPlan) -> Cluster {
     }
 }
 
-fn socket_address(a: std::net::SocketAddr) -> Address {
+pub(crate) fn socket_address(a: std::net::SocketAddr) -> Address {
     Address {
         address: Some(address::Address::SocketAddress(SocketAddress {
             address: a.ip().to_string(),
@@ -135,7 +136,7 @@ fn socket_address(a: std::net::SocketAddr) -> Address {
     }
 }
 
-fn http2_options() -> HttpProtocolOptions {
+pub(crate) fn http2_options() -> HttpProtocolOptions {
     HttpProtocolOptions {
         upstream_protocol_options: Some(UpstreamProtocolOptions::ExplicitHttpConfig(
             ExplicitHttpConfig {
@@ -195,7 +196,7 @@ fn internal_address(listener: String, endpoint_id: String) -> Address {
 /// An endpoint reached through the CONNECT-originating internal listener
 /// of its identity, with its real `ip:port` as `tunnel` metadata and who it
 /// is as [`telemetry::ENDPOINT_METADATA`] (read by the request metrics).
-fn tunnel_endpoint(e: &BoundEndpoint, port: u16) -> LbEndpoint {
+pub(crate) fn tunnel_endpoint(e: &BoundEndpoint, port: u16) -> LbEndpoint {
     let destination = std::net::SocketAddr::new(e.ip, port).to_string();
     let text = |v: &str| Value {
         kind: Some(ValueKind::StringValue(v.to_string())),
@@ -238,7 +239,7 @@ fn tunnel_endpoint(e: &BoundEndpoint, port: u16) -> LbEndpoint {
     }
 }
 
-fn raw_buffer() -> TransportSocket {
+pub(crate) fn raw_buffer() -> TransportSocket {
     TransportSocket {
         name: "envoy.transport_sockets.raw_buffer".to_string(),
         config_type: Some(ConfigType::TypedConfig(any(&RawBuffer::default()))),
@@ -247,7 +248,7 @@ fn raw_buffer() -> TransportSocket {
 
 /// Hands a connection to an internal listener, passing `passthrough` host
 /// metadata namespaces along (and every shared filter state).
-fn internal_upstream(passthrough: &[&str]) -> TransportSocket {
+pub(crate) fn internal_upstream(passthrough: &[&str]) -> TransportSocket {
     let cfg = InternalUpstreamTransport {
         passthrough_metadata: passthrough
             .iter()
@@ -267,7 +268,7 @@ fn internal_upstream(passthrough: &[&str]) -> TransportSocket {
 }
 
 /// The hop from HBONE termination to `main_internal`.
-fn main_internal() -> Cluster {
+pub(crate) fn main_internal() -> Cluster {
     Cluster {
         name: MAIN_INTERNAL.to_string(),
         cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Static as i32)),
@@ -294,7 +295,7 @@ fn main_internal() -> Cluster {
 /// HBONE to peers of one identity: the destination comes from the tunnel
 /// metadata, the port is 15008, and the peer certificate must carry exactly
 /// `identity`.
-fn originate(identity: &str) -> Cluster {
+pub(crate) fn originate(identity: &str) -> Cluster {
     let http2 = http2_options();
     Cluster {
         name: originate_name(identity),
@@ -319,10 +320,16 @@ fn originate(identity: &str) -> Cluster {
     }
 }
 
-/// A service port's cluster: endpoints from EDS, each an internal address
-/// of its identity's CONNECT-originating listener. HTTP ports speak to the
-/// endpoint in the client's protocol.
-fn service_cluster(name: String, http: bool, policy: &policy::EffectivePolicy) -> Cluster {
+/// A service port's cluster: endpoints from EDS, reached over `transport`
+/// (a waypoint's: an internal address of the endpoint identity's
+/// CONNECT-originating listener). HTTP ports speak to the endpoint in the
+/// client's protocol.
+pub(crate) fn service_cluster(
+    name: String,
+    http: bool,
+    policy: &policy::EffectivePolicy,
+    transport: TransportSocket,
+) -> Cluster {
     let mut cluster = Cluster {
         name: name.clone(),
         cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32)),
@@ -331,7 +338,7 @@ fn service_cluster(name: String, http: bool, policy: &policy::EffectivePolicy) -
             service_name: name,
         }),
         connect_timeout: Some(duration(CONNECT_TIMEOUT)),
-        transport_socket: Some(internal_upstream(&[TUNNEL])),
+        transport_socket: Some(transport),
         ..Default::default()
     };
     let mut common = CommonHttpOptions::default();

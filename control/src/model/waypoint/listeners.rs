@@ -61,7 +61,7 @@ const ORIGINAL_DST_LOCAL: &str = "envoy.filters.listener.original_dst.local_ip";
 /// ... and the original source.
 const ORIGINAL_DST_REMOTE: &str = "envoy.filters.listener.original_dst.remote_ip";
 /// Envoy's generic string filter-state object.
-const STRING_OBJECT: &str = "envoy.string";
+pub(crate) const STRING_OBJECT: &str = "envoy.string";
 
 /// The internal listener (and cluster) that tunnels to peers of `identity`.
 pub fn originate_name(identity: &str) -> String {
@@ -77,14 +77,14 @@ pub fn listeners(plan: &WaypointPlan, trust_domain: &str) -> Vec<XdsResource> {
         .collect()
 }
 
-fn named_filter<M: prost::Message + prost::Name>(name: &str, config: &M) -> Filter {
+pub(crate) fn named_filter<M: prost::Message + prost::Name>(name: &str, config: &M) -> Filter {
     Filter {
         name: name.to_string(),
         config_type: Some(ConfigType::TypedConfig(any(config))),
     }
 }
 
-fn http_filter<M: prost::Message + prost::Name>(name: &str, config: &M) -> HttpFilter {
+pub(crate) fn http_filter<M: prost::Message + prost::Name>(name: &str, config: &M) -> HttpFilter {
     HttpFilter {
         name: name.to_string(),
         config_type: Some(http_filter::ConfigType::TypedConfig(any(config))),
@@ -105,7 +105,7 @@ fn format_string(text: &str) -> SubstitutionFormatString {
 /// Shares a filter-state value, computed per request, with the upstream
 /// (internal) connection. `factory` names the object type (empty: the key
 /// is a well-known one naming its own type).
-fn shared_state(key: &str, factory: &str, format: &str) -> FilterStateValue {
+pub(crate) fn shared_state(key: &str, factory: &str, format: &str) -> FilterStateValue {
     FilterStateValue {
         key: Some(filter_state_value::Key::ObjectKey(key.to_string())),
         factory_key: factory.to_string(),
@@ -121,7 +121,7 @@ fn shared_state(key: &str, factory: &str, format: &str) -> FilterStateValue {
 /// 0.0.0.0:15008: mTLS from any mesh identity, HTTP/2 CONNECT only; the
 /// tunnel's payload goes to `main_internal` with the CONNECT authority as
 /// its original destination.
-fn connect_terminate(trust_domain: &str) -> Listener {
+pub(crate) fn connect_terminate(trust_domain: &str) -> Listener {
     let route = RouteConfiguration {
         name: CONNECT_TERMINATE.to_string(),
         virtual_hosts: vec![VirtualHost {
@@ -197,7 +197,7 @@ fn connect_terminate(trust_domain: &str) -> Listener {
     }
 }
 
-fn socket_address(ip: IpAddr, port: u16) -> Address {
+pub(crate) fn socket_address(ip: IpAddr, port: u16) -> Address {
     Address {
         address: Some(address::Address::SocketAddress(SocketAddress {
             address: ip.to_string(),
@@ -207,7 +207,7 @@ fn socket_address(ip: IpAddr, port: u16) -> Address {
     }
 }
 
-fn host_range(ip: IpAddr) -> CidrRange {
+pub(crate) fn host_range(ip: IpAddr) -> CidrRange {
     CidrRange {
         address_prefix: ip.to_string(),
         prefix_len: Some(u32_value(if ip.is_ipv4() { 32 } else { 128 })),
@@ -344,7 +344,7 @@ pub fn workload_stat_prefix(namespace: &str, name: &str) -> String {
 /// An internal listener that opens an HBONE tunnel (HTTP/2 CONNECT to the
 /// endpoint named in the connection's `tunnel.destination` metadata) through
 /// the cluster that requires the peer to be `identity`.
-fn connect_originate(identity: &str) -> Listener {
+pub(crate) fn connect_originate(identity: &str) -> Listener {
     let name = originate_name(identity);
     let tcp = TcpProxy {
         stat_prefix: CONNECT_ORIGINATE.to_string(),

@@ -37,14 +37,14 @@
 use std::net::IpAddr;
 
 pub mod authz;
-mod clusters;
-mod envoy;
-mod listeners;
-mod plan;
-mod policy;
-mod routes;
+pub(crate) mod clusters;
+pub(crate) mod envoy;
+pub(crate) mod listeners;
+pub(crate) mod plan;
+pub(crate) mod policy;
+pub(crate) mod routes;
 pub mod rules;
-mod telemetry;
+pub(crate) mod telemetry;
 #[cfg(test)]
 mod tests;
 pub mod tracing;
@@ -225,6 +225,19 @@ pub struct BoundEndpoint {
     /// Who it is, for request metrics.
     pub workload: EndpointWorkload,
     pub healthy: bool,
+    /// How it is reached (a waypoint only serves [`Transport::Hbone`] ones).
+    pub transport: Transport,
+}
+
+/// How a proxy reaches an endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// An ambient pod: HBONE to its ztunnel.
+    Hbone,
+    /// A sidecar pod: mTLS straight to its Envoy (Istio's sidecar ALPN/SNI).
+    Mtls,
+    /// Outside the mesh: plaintext.
+    Plaintext,
 }
 
 /// The workload behind an endpoint, as request metrics name it

@@ -28,24 +28,24 @@ use super::rules::{self, RouteRule, RuleAction, qualify};
 use super::tracing;
 use super::{
     BoundEndpoint, BoundPort, BoundService, BoundWorkload, EndpointWorkload, Finding, Protocol,
-    WaypointPlan,
+    Transport, WaypointPlan,
 };
 use crate::model::ModelOptions;
 use crate::model::index::{
-    DOMAIN_SUFFIX, WaypointRef, WaypointTraffic, WorkloadDraft, ip_from_bytes, waypoint_ref,
-    waypoint_serves,
+    Backing, DOMAIN_SUFFIX, WaypointRef, WaypointTraffic, WorkloadDraft, ip_from_bytes,
+    waypoint_ref, waypoint_serves,
 };
 use crate::model::store::Store;
 
 /// Every Service of the mesh by hostname, with its members.
-struct Catalog<'s> {
-    services: BTreeMap<String, (&'s str, &'s Service)>,
+pub(crate) struct Catalog<'s> {
+    pub(crate) services: BTreeMap<String, (&'s str, &'s Service)>,
     /// hostname -> (draft, service port, target port).
-    members: HashMap<String, Vec<(usize, u16, u16)>>,
+    pub(crate) members: HashMap<String, Vec<(usize, u16, u16)>>,
 }
 
 impl<'s> Catalog<'s> {
-    fn new(store: &'s Store, drafts: &[WorkloadDraft<'_>], keys: &[String]) -> Self {
+    pub(crate) fn new(store: &'s Store, drafts: &[WorkloadDraft<'_>], keys: &[String]) -> Self {
         let mut services = BTreeMap::new();
         for (ns, objs) in store.spaces() {
             for (name, svc) in &objs.services {
@@ -135,7 +135,16 @@ pub(crate) fn plan(
         let Some(plan) = plans.get_mut(&w) else {
             continue;
         };
-        let mut bound = bound_service(host, ns, svc, &catalog, drafts, opts, &destination_rules);
+        let mut bound = bound_service(
+            host,
+            ns,
+            svc,
+            &catalog,
+            drafts,
+            opts,
+            &destination_rules,
+            Reach::Hbone,
+        );
         bound.bound = true;
         route_service(&mut bound, store, &virtual_services, &mut plan.findings);
         authorize_service(&mut bound, plan, &policies, &mut policy_findings);
@@ -169,6 +178,7 @@ pub(crate) fn plan(
                     drafts,
                     opts,
                     &destination_rules,
+                    Reach::Hbone,
                 )),
                 None => plan.findings.push(Finding::waypoint(
                     plan,
@@ -184,7 +194,7 @@ pub(crate) fn plan(
             let members = catalog.members.get(host).map_or(&[][..], Vec::as_slice);
             let on_port: Vec<_> = members.iter().copied().filter(|m| m.1 == port).collect();
             Some((
-                endpoints(drafts, &on_port, opts),
+                endpoints(drafts, &on_port, opts, Reach::Hbone),
                 plain_endpoints(drafts, &on_port),
             ))
         };
@@ -249,7 +259,7 @@ fn bind_workloads(
     }
 }
 
-fn identity(opts: &ModelOptions, namespace: &str, service_account: &str) -> String {
+pub(crate) fn identity(opts: &ModelOptions, namespace: &str, service_account: &str) -> String {
     let sa = if service_account.is_empty() {
         "default"
     } else {
@@ -258,7 +268,7 @@ fn identity(opts: &ModelOptions, namespace: &str, service_account: &str) -> Stri
     format!("spiffe://{}/ns/{namespace}/sa/{sa}", opts.trust_domain)
 }
 
-fn rule_hosts(r: &RouteRule) -> Vec<String> {
+pub(crate) fn rule_hosts(r: &RouteRule) -> Vec<String> {
     match &r.action {
         RuleAction::Forward(f) => f
             .destinations
@@ -272,7 +282,7 @@ fn rule_hosts(r: &RouteRule) -> Vec<String> {
 
 /// VirtualServices that apply to mesh traffic, by qualified host, in
 /// namespace/name order (the first one claiming a host wins).
-fn virtual_services_by_host(store: &Store) -> BTreeMap<String, Vec<&VirtualService>> {
+pub(crate) fn virtual_services_by_host(store: &Store) -> BTreeMap<String, Vec<&VirtualService>> {
     let mut out: BTreeMap<String, Vec<&VirtualService>> = BTreeMap::new();
     for (ns, objs) in store.spaces() {
         for vs in objs.virtual_services.values() {
@@ -287,7 +297,7 @@ fn virtual_services_by_host(store: &Store) -> BTreeMap<String, Vec<&VirtualServi
     out
 }
 
-fn destination_rules_by_host(store: &Store) -> BTreeMap<String, Vec<&DestinationRule>> {
+pub(crate) fn destination_rules_by_host(store: &Store) -> BTreeMap<String, Vec<&DestinationRule>> {
     let mut out: BTreeMap<String, Vec<&DestinationRule>> = BTreeMap::new();
     for (ns, objs) in store.spaces() {
         for dr in objs.destination_rules.values() {
@@ -298,7 +308,7 @@ fn destination_rules_by_host(store: &Store) -> BTreeMap<String, Vec<&Destination
 }
 
 #[allow(clippy::too_many_arguments)]
-fn bound_service(
+pub(crate) fn bound_service(
     host: &str,
     ns: &str,
     svc: &Service,
@@ -306,6 +316,7 @@ fn bound_service(
     drafts: &[WorkloadDraft<'_>],
     opts: &ModelOptions,
     destination_rules: &BTreeMap<String, Vec<&DestinationRule>>,
+    reach: Reach,
 ) -> BoundService {
     let ports = svc
         .spec
@@ -320,7 +331,7 @@ fn bound_service(
     let endpoints = catalog
         .members
         .get(host)
-        .map(|m| endpoints(drafts, m, opts))
+        .map(|m| endpoints(drafts, m, opts, reach))
         .unwrap_or_default();
     BoundService {
         namespace: ns.to_string(),
@@ -364,7 +375,7 @@ fn authorize_service(
 }
 
 /// The routing rules of each HTTP port of a bound service.
-fn route_service(
+pub(crate) fn route_service(
     svc: &mut BoundService,
     store: &Store,
     virtual_services: &BTreeMap<String, Vec<&VirtualService>>,
@@ -430,8 +441,13 @@ fn route_service(
 /// way: the VirtualService-before-DestinationRule order mistake) and is
 /// reported.
 fn check_subsets(plan: &mut WaypointPlan) {
-    let defined: HashMap<&str, BTreeSet<&str>> = plan
-        .services
+    let findings = subset_findings(&plan.services);
+    plan.findings.extend(findings);
+}
+
+/// The routes of `services` to subsets no DestinationRule of theirs defines.
+pub(crate) fn subset_findings(services: &[BoundService]) -> Vec<Finding> {
+    let defined: HashMap<&str, BTreeSet<&str>> = services
         .iter()
         .map(|s| {
             let subsets = s
@@ -443,7 +459,7 @@ fn check_subsets(plan: &mut WaypointPlan) {
         })
         .collect();
     let mut findings = Vec::new();
-    for svc in &plan.services {
+    for svc in services {
         for (rule, d) in svc.rules.values().flatten().flat_map(|r| match &r.action {
             RuleAction::Forward(f) => f.destinations.iter().map(|d| (r, d)).collect::<Vec<_>>(),
             _ => Vec::new(),
@@ -466,14 +482,36 @@ fn check_subsets(plan: &mut WaypointPlan) {
             });
         }
     }
-    plan.findings.extend(findings);
+    findings
 }
 
-/// The HBONE endpoints among a service's members, one per workload.
-fn endpoints(
+/// Which members of a service a proxy can reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reach {
+    /// Only HBONE ones (a waypoint).
+    Hbone,
+    /// Every one, each with its transport (a sidecar).
+    Any,
+}
+
+/// How `d` is reached: over HBONE when the workload API says it speaks it
+/// (the workload translator's call, so ztunnels and Envoys agree), a
+/// sidecar pod over mTLS, anything else in plaintext.
+fn transport(d: &WorkloadDraft<'_>) -> Transport {
+    match d.backing {
+        _ if d.w.tunnel_protocol == TunnelProtocol::Hbone as i32 => Transport::Hbone,
+        Backing::Pod(p) if crate::model::sidecar::runs_sidecar(p) => Transport::Mtls,
+        _ => Transport::Plaintext,
+    }
+}
+
+/// The endpoints among a service's members the proxy can reach, one per
+/// workload.
+pub(crate) fn endpoints(
     drafts: &[WorkloadDraft<'_>],
     members: &[(usize, u16, u16)],
     opts: &ModelOptions,
+    reach: Reach,
 ) -> Vec<BoundEndpoint> {
     let mut by_draft: BTreeMap<usize, Vec<(u16, u16)>> = BTreeMap::new();
     for (i, sp, tp) in members {
@@ -485,7 +523,8 @@ fn endpoints(
             continue;
         };
         let w = &d.w;
-        if w.tunnel_protocol != TunnelProtocol::Hbone as i32 {
+        let transport = transport(d);
+        if reach == Reach::Hbone && transport != Transport::Hbone {
             continue;
         }
         let Some(ip) = w.addresses.first().and_then(|a| ip_from_bytes(a)) else {
@@ -503,6 +542,7 @@ fn endpoints(
                 version: w.canonical_revision.clone(),
             },
             healthy: w.status != WorkloadStatus::Unhealthy as i32,
+            transport,
         });
     }
     out.sort_by_key(|e| e.ip);

@@ -57,13 +57,7 @@ pub fn routes(plan: &WaypointPlan) -> Vec<XdsResource> {
     for svc in plan.services.iter().filter(|s| s.bound) {
         for port in svc.ports.iter().filter(|p| p.protocol.is_http()) {
             let name = route_name(&svc.hostname, port.port);
-            let mut routes: Vec<Route> = match svc.rules.get(&port.port) {
-                Some(rules) => rules
-                    .iter()
-                    .flat_map(|r| envoy_routes(r, port.port, plan))
-                    .collect(),
-                None => vec![default_route(svc, port.port, plan)],
-            };
+            let mut routes = service_routes(svc, port.port, &plan.services);
             if plan.tracing.is_some() {
                 // Spans are named as Istio names them, `host:port/*`.
                 let operation = format!("{}:{}/*", svc.hostname, port.port);
@@ -96,9 +90,23 @@ pub fn routes(plan: &WaypointPlan) -> Vec<XdsResource> {
     out
 }
 
+/// The routes of one HTTP port of `svc`: its rules, or everything to the
+/// service when it has none. `services` are the services the proxy knows
+/// (destinations resolve against their ports and DestinationRules). The
+/// one route translation waypoints and sidecars share.
+pub fn service_routes(svc: &BoundService, port: u16, services: &[BoundService]) -> Vec<Route> {
+    match svc.rules.get(&port) {
+        Some(rules) => rules
+            .iter()
+            .flat_map(|r| envoy_routes(r, port, services))
+            .collect(),
+        None => vec![default_route(svc, port, services)],
+    }
+}
+
 /// Every `Host` a client may send for the service: the hostname and its
 /// short forms, each VIP, with and without the port.
-fn domains(svc: &BoundService, port: u16) -> Vec<String> {
+pub fn domains(svc: &BoundService, port: u16) -> Vec<String> {
     let mut names = vec![svc.hostname.clone()];
     if let Some(short) = svc.hostname.strip_suffix(".svc.cluster.local") {
         names.push(format!("{short}.svc"));
@@ -127,9 +135,9 @@ fn domains(svc: &BoundService, port: u16) -> Vec<String> {
 fn resolve(
     d: &WeightedDestination,
     incoming: u16,
-    plan: &WaypointPlan,
+    services: &[BoundService],
 ) -> (String, Vec<policy::HashPolicyT>) {
-    let svc = plan.services.iter().find(|s| s.hostname == d.host);
+    let svc = services.iter().find(|s| s.hostname == d.host);
     let port = d.port.unwrap_or_else(|| match svc {
         Some(s) if s.ports.iter().any(|p| p.port == incoming) => incoming,
         Some(s) if s.ports.len() == 1 => s.ports[0].port,
@@ -146,7 +154,7 @@ fn resolve(
     (cluster_name(port, subset, &d.host), hash)
 }
 
-fn default_route(svc: &BoundService, port: u16, plan: &WaypointPlan) -> Route {
+fn default_route(svc: &BoundService, port: u16, services: &[BoundService]) -> Route {
     let rule = RouteRule {
         name: "default".to_string(),
         matches: Vec::new(),
@@ -162,12 +170,12 @@ fn default_route(svc: &BoundService, port: u16, plan: &WaypointPlan) -> Route {
             ..Default::default()
         })),
     };
-    envoy_routes(&rule, port, plan).remove(0)
+    envoy_routes(&rule, port, services).remove(0)
 }
 
 /// One Envoy route per match of the rule (a rule without matches matches
 /// every request), in order.
-fn envoy_routes(rule: &RouteRule, port: u16, plan: &WaypointPlan) -> Vec<Route> {
+fn envoy_routes(rule: &RouteRule, port: u16, services: &[BoundService]) -> Vec<Route> {
     let catch_all = [RequestMatch::default()];
     let matches: &[RequestMatch] = if rule.matches.is_empty() {
         &catch_all
@@ -184,7 +192,7 @@ fn envoy_routes(rule: &RouteRule, port: u16, plan: &WaypointPlan) -> Vec<Route> 
                 ..Default::default()
             };
             match &rule.action {
-                RuleAction::Forward(f) => forward(&mut route, f, m, port, plan),
+                RuleAction::Forward(f) => forward(&mut route, f, m, port, services),
                 RuleAction::Redirect {
                     scheme,
                     host,
@@ -350,7 +358,7 @@ fn retry_policy(r: Option<&RetryRule>) -> Option<RetryPolicy> {
     })
 }
 
-fn forward(route: &mut Route, f: &Forward, m: &RequestMatch, port: u16, plan: &WaypointPlan) {
+fn forward(route: &mut Route, f: &Forward, m: &RequestMatch, port: u16, services: &[BoundService]) {
     let mut action = RouteAction {
         // Istio: no route timeout unless one is configured.
         timeout: Some(duration(f.timeout.unwrap_or(Duration::ZERO))),
@@ -359,7 +367,7 @@ fn forward(route: &mut Route, f: &Forward, m: &RequestMatch, port: u16, plan: &W
     };
     let mut hashes = Vec::new();
     if let [only] = f.destinations.as_slice() {
-        let (cluster, hash) = resolve(only, port, plan);
+        let (cluster, hash) = resolve(only, port, services);
         action.cluster_specifier = Some(ClusterSpecifier::Cluster(cluster));
         hashes.extend(hash);
         route
@@ -379,7 +387,7 @@ fn forward(route: &mut Route, f: &Forward, m: &RequestMatch, port: u16, plan: &W
             .destinations
             .iter()
             .map(|d| {
-                let (name, hash) = resolve(d, port, plan);
+                let (name, hash) = resolve(d, port, services);
                 hashes.extend(hash);
                 ClusterWeight {
                     name,
@@ -406,7 +414,7 @@ fn forward(route: &mut Route, f: &Forward, m: &RequestMatch, port: u16, plan: &W
         .mirrors
         .iter()
         .map(|mi| RequestMirrorPolicy {
-            cluster: resolve(&mi.destination, port, plan).0,
+            cluster: resolve(&mi.destination, port, services).0,
             runtime_fraction: Some(RuntimeFractionalPercent {
                 default_value: Some(percent(mi.percent)),
                 ..Default::default()
