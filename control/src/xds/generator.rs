@@ -14,10 +14,6 @@ use std::sync::Arc;
 
 use super::proxy::{ProxyKind, ProxyNode};
 
-// The sidecar generator lives beside the others (`xds/sidecar.rs`); it is
-// declared here so registering it stays within this file.
-#[path = "sidecar.rs"]
-pub mod sidecar;
 use crate::model::snapshot::{ResourceDelta, ResourceSet, Snapshot, empty_set};
 
 /// One xDS type a generator serves.
@@ -142,7 +138,7 @@ impl Generators {
         let mut g = Generators::empty();
         g.register(Arc::new(super::ztunnel::ZtunnelGenerator));
         g.register(Arc::new(super::waypoint::WaypointGenerator));
-        g.register(Arc::new(sidecar::SidecarGenerator));
+        g.register(Arc::new(super::sidecar::SidecarGenerator));
         g
     }
 

@@ -12,6 +12,7 @@ mod delta;
 pub mod generator;
 pub mod proxy;
 mod service;
+pub mod sidecar;
 mod sotw;
 pub mod status;
 mod stream;
