@@ -93,6 +93,10 @@ fn the_good_corpus_is_quiet() {
         vec![r.join("tests/fixtures/mesh")],
         vec![r.join("tests/fixtures/analyze/good")],
         vec![r.join("tests/fixtures/waypoint/base.yaml")],
+        vec![
+            r.join("tests/fixtures/waypoint/base.yaml"),
+            r.join("tests/fixtures/sidecar/base.yaml"),
+        ],
     ] {
         let report = run(&set);
         assert!(
@@ -142,6 +146,7 @@ fn every_yaml_fixture_is_classified() {
                 "tests/fixtures/analyze/good/",
                 "tests/fixtures/analyze/bad/",
                 "tests/fixtures/waypoint/",
+                "tests/fixtures/sidecar/",
                 // The mesh's own install manifests, not mesh config:
                 // checked by tests/tests/kube_manifests.rs.
                 "deploy/kubernetes/",

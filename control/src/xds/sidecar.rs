@@ -6,35 +6,11 @@
 use super::{Generator, Served, TypeSpec};
 use crate::model::sidecar::{namespace_scope, pod_scope};
 use crate::model::snapshot::Snapshot;
-use crate::model::waypoint::{CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE};
 use crate::xds::proxy::{ProxyKind, ProxyNode};
 
 /// Serves sidecars their own Envoy configuration.
 #[derive(Debug, Default)]
 pub struct SidecarGenerator;
-
-const TYPES: &[TypeSpec] = &[
-    TypeSpec {
-        type_url: CLUSTER_TYPE,
-        label: "cds",
-        resend_with: Some(ENDPOINT_TYPE),
-    },
-    TypeSpec {
-        type_url: ENDPOINT_TYPE,
-        label: "eds",
-        resend_with: None,
-    },
-    TypeSpec {
-        type_url: LISTENER_TYPE,
-        label: "lds",
-        resend_with: None,
-    },
-    TypeSpec {
-        type_url: ROUTE_TYPE,
-        label: "rds",
-        resend_with: None,
-    },
-];
 
 impl Generator for SidecarGenerator {
     fn kind(&self) -> ProxyKind {
@@ -42,7 +18,7 @@ impl Generator for SidecarGenerator {
     }
 
     fn types(&self) -> &'static [TypeSpec] {
-        TYPES
+        super::waypoint::ENVOY_TYPES
     }
 
     fn generate(&self, proxy: &ProxyNode, snap: &Snapshot, type_url: &str) -> Served {
@@ -70,6 +46,7 @@ mod tests {
     use envoy_types::pb::envoy::config::core::v3::Node;
 
     use super::*;
+    use crate::model::waypoint::{CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE};
     use crate::model::{ModelOptions, Store, build_snapshot};
 
     fn snapshot(extra: &str, prev: &Snapshot) -> Snapshot {

@@ -12,7 +12,8 @@ use crate::model::waypoint::{CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_T
 #[derive(Debug, Default)]
 pub struct WaypointGenerator;
 
-const TYPES: &[TypeSpec] = &[
+/// Upstream Envoy's types in ADS order; sidecars are served the same.
+pub(super) const ENVOY_TYPES: &[TypeSpec] = &[
     TypeSpec {
         type_url: CLUSTER_TYPE,
         label: "cds",
@@ -41,7 +42,7 @@ impl Generator for WaypointGenerator {
     }
 
     fn types(&self) -> &'static [TypeSpec] {
-        TYPES
+        ENVOY_TYPES
     }
 
     fn generate(&self, proxy: &ProxyNode, snap: &Snapshot, type_url: &str) -> Served {
