@@ -7,7 +7,7 @@
 //! per-namespace label index, so the cost is linear in the number of
 //! objects and memberships.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 
 use ambit_proto::ADDRESS_TYPE_URL;
@@ -219,8 +219,11 @@ impl<'a> NsCx<'a> {
                 .annotations
                 .contains_key("sidecar.istio.io/status");
             // Enrolled pods get HBONE from their ztunnel; a waypoint's
-            // Envoy speaks HBONE itself (its pod is not captured).
-            if !sidecar && (is_enrolled(self.ns_labels, labels) || self.is_waypoint_pod(labels)) {
+            // Envoy speaks HBONE itself (its pod is not captured), and so
+            // does any pod that says so with Istio's tunnel label (a
+            // sidecar terminating HBONE on 15008).
+            let enrolled = !sidecar && is_enrolled(self.ns_labels, labels);
+            if enrolled || self.is_waypoint_pod(labels) || accepts_hbone(labels) {
                 w.tunnel_protocol = TunnelProtocol::Hbone as i32;
             }
             w.waypoint = self.waypoint(labels, WaypointTraffic::Workload);
@@ -285,7 +288,7 @@ impl<'a> NsCx<'a> {
             merged.extend(spec.labels.iter().map(|(k, v)| (k.clone(), v.clone())));
             &merged
         };
-        if is_enrolled(self.ns_labels, labels) {
+        if is_enrolled(self.ns_labels, labels) || accepts_hbone(labels) {
             w.tunnel_protocol = TunnelProtocol::Hbone as i32;
         }
         w.waypoint = self.waypoint(labels, WaypointTraffic::Workload);
@@ -610,3 +613,15 @@ fn push_key(keys: &mut Vec<String>, key: String) -> u32 {
     keys.push(key);
     (keys.len() - 1) as u32
 }
+
+/// Istio's label for a workload that terminates HBONE itself:
+/// `networking.istio.io/tunnel` listing `http` (HTTP/2 CONNECT over mTLS
+/// on 15008). The value is read as a comma-separated list, as Istio asks.
+pub(crate) fn accepts_hbone(labels: &BTreeMap<String, String>) -> bool {
+    labels
+        .get(TUNNEL_LABEL)
+        .is_some_and(|v| v.split(',').any(|t| t.trim() == "http"))
+}
+
+/// The label naming the tunnel protocols a workload accepts.
+pub(crate) const TUNNEL_LABEL: &str = "networking.istio.io/tunnel";

@@ -136,6 +136,15 @@ fn enrollment_table() {
             "sidecar.istio.io/status: x",
             false,
         ),
+        // Istio's tunnel label: the pod terminates HBONE itself (a sidecar
+        // with HBONE, outside any ambient namespace).
+        (
+            "",
+            "networking.istio.io/tunnel: http",
+            "sidecar.istio.io/status: x",
+            true,
+        ),
+        ("", "networking.istio.io/tunnel: h3", "", false),
     ];
     for (i, (nsl, pl, ann, hbone)) in cases.into_iter().enumerate() {
         let mut yaml = ns("a", nsl) + &pod("a", "p", "10.0.0.1", pl);
