@@ -286,6 +286,9 @@ pub struct AgentOptions {
     /// Run the agent (and so its Envoy) inside this network namespace (a
     /// name under `/var/run/netns`), as in a pod.
     pub netns: Option<String>,
+    /// Run the agent (and its Envoy) with this group id, as a sidecar's
+    /// proxy runs: `ambit-agent redirect` exempts the proxy's gid.
+    pub gid: Option<u32>,
 }
 
 impl AgentOptions {
@@ -303,6 +306,7 @@ impl AgentOptions {
             pod_ip: "10.9.0.7".into(),
             gateway: "wp".into(),
             netns: None,
+            gid: None,
         }
     }
 }
@@ -332,11 +336,15 @@ impl Agent {
         let mut cmd = match &opts.netns {
             Some(ns) => {
                 let mut c = Command::new("ip");
-                c.args(["netns", "exec", ns]).arg(&bin);
+                c.args(["netns", "exec", ns]);
                 c
             }
-            None => Command::new(&bin),
+            None => Command::new("env"),
         };
+        if let Some(gid) = opts.gid {
+            cmd.args(["setpriv", "--regid", &gid.to_string(), "--clear-groups"]);
+        }
+        cmd.arg(&bin);
         cmd.env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .env("RUST_LOG", "info")

@@ -12,6 +12,7 @@ pub mod kubebed;
 pub mod meshbed;
 pub mod netbed;
 pub mod otlp;
+pub mod sidecarpod;
 pub mod traffic;
 pub mod waypointpod;
 

@@ -56,6 +56,8 @@ pub struct PodSpec {
     pub labels: Vec<(String, String)>,
     /// A waypoint pod: the Gateway it runs (see [`PodSpec::waypoint`]).
     pub gateway: Option<String>,
+    /// Pod annotations.
+    pub annotations: Vec<(String, String)>,
 }
 
 impl PodSpec {
@@ -73,6 +75,7 @@ impl PodSpec {
             version: "v1".into(),
             labels: Vec::new(),
             gateway: None,
+            annotations: Vec::new(),
         }
     }
 
@@ -100,6 +103,20 @@ impl PodSpec {
                 ("istio.io/dataplane-mode".into(), "none".into()),
             ],
             ..Self::mesh(name, namespace, node, gateway)
+        }
+    }
+
+    /// A pod with an injected sidecar (as the webhook leaves it: the
+    /// `sidecar.istio.io/status` annotation, and Istio's tunnel label so
+    /// ztunnels reach it over HBONE on its Envoy's 15008), never handed
+    /// to ztunnel. [`MeshBed::start_sidecar`] runs its capture, agent and
+    /// Envoy.
+    pub fn sidecar(name: &str, namespace: &str, node: usize, app: &str) -> Self {
+        Self {
+            enrolled: false,
+            annotations: vec![("sidecar.istio.io/status".into(), "{}".into())],
+            labels: vec![("networking.istio.io/tunnel".into(), "http".into())],
+            ..Self::mesh(name, namespace, node, app)
         }
     }
 
@@ -328,11 +345,17 @@ impl MeshBed {
             for (k, v) in &s.labels {
                 let _ = write!(labels, ", {k}: {v:?}");
             }
+            let annotations: Vec<String> = s
+                .annotations
+                .iter()
+                .map(|(k, v)| format!("{k}: {v:?}"))
+                .collect();
+            let annotations = annotations.join(", ");
             let _ = write!(
                 y,
                 "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {}\n  namespace: {}\n  uid: {}\n  \
-                 labels: {{{labels}}}\nspec:\n  nodeName: {}\n  serviceAccountName: {}\n\
-                 status:\n  podIP: {}\n",
+                 labels: {{{labels}}}\n  annotations: {{{annotations}}}\nspec:\n  nodeName: {}\n  \
+                 serviceAccountName: {}\nstatus:\n  podIP: {}\n",
                 s.name,
                 s.namespace,
                 pod_uid(s),
@@ -617,10 +640,48 @@ impl MeshBed {
             root_cert: self.data.path().join("cp/ca/root-cert.pem"),
             token_file,
             envoy: crate::envoy::envoy_binary()?,
+            kind: "waypoint".into(),
         })
         .await?;
         wp.wait_ready(crate::waypointpod::READY_LIMIT).await?;
         self.waypoints.insert(name.to_string(), wp);
+        Ok(())
+    }
+
+    /// Runs the sidecar of a [`PodSpec::sidecar`] pod: `ambit-agent
+    /// redirect` in its netns (what `istio-init` does), then the agent and
+    /// Envoy in it with the proxy's gid. Waits until it is ready; it is
+    /// then reachable as [`MeshBed::waypoint`] (the same process pair).
+    pub async fn start_sidecar(&mut self, name: &str) -> Result<()> {
+        let spec = self
+            .specs
+            .iter()
+            .find(|s| s.name == name)
+            .with_context(|| format!("no pod {name} in the bed"))?
+            .clone();
+        let cp = self
+            .cp
+            .as_ref()
+            .context("start the bed (MeshBed::start) before its sidecars")?;
+        let token_file = self.data.path().join(format!("token-{}", spec.node));
+        let pod = self.pod(name).clone();
+        crate::sidecarpod::install_capture(&pod)?;
+        let sc = WaypointPod::start(WaypointPodSpec {
+            pod,
+            namespace: spec.namespace.clone(),
+            pod_name: spec.name.clone(),
+            node_name: node_name(spec.node),
+            service_account: spec.service_account.clone(),
+            gateway: String::new(),
+            control_plane: cp.xds_tls_addr(),
+            root_cert: self.data.path().join("cp/ca/root-cert.pem"),
+            token_file,
+            envoy: crate::envoy::envoy_binary()?,
+            kind: "sidecar".into(),
+        })
+        .await?;
+        sc.wait_ready(crate::waypointpod::READY_LIMIT).await?;
+        self.waypoints.insert(name.to_string(), sc);
         Ok(())
     }
 

@@ -52,6 +52,10 @@ pub struct WaypointPodSpec {
     pub token_file: PathBuf,
     /// The Envoy binary.
     pub envoy: PathBuf,
+    /// `waypoint`, or `sidecar` for a pod with an injected sidecar (its
+    /// `gateway` is then empty and the agent runs with the proxy's gid,
+    /// which the pod's capture exempts).
+    pub kind: String,
 }
 
 /// A running (or stopped) waypoint pod.
@@ -84,7 +88,7 @@ impl WaypointPod {
         let opts = AgentOptions {
             xds_address: format!("https://127.0.0.1:{XDS_RELAY_PORT}"),
             ca_address: None,
-            kind: "waypoint".into(),
+            kind: s.kind.clone(),
             namespace: s.namespace.clone(),
             node_name: s.node_name.clone(),
             service_account: s.service_account.clone(),
@@ -92,6 +96,7 @@ impl WaypointPod {
             pod_ip: s.pod.ip.to_string(),
             gateway: s.gateway.clone(),
             netns: Some(s.pod.netns.clone()),
+            gid: (s.kind == "sidecar").then_some(crate::sidecarpod::PROXY_GID),
         };
         let agent = Agent::launch(&s.root_cert, &s.token_file, &s.envoy, &opts)
             .await

@@ -1,0 +1,160 @@
+//! A sidecar pod and ambient pods in one mesh, both ways, with real Envoy:
+//! the sidecar pod's capture (`ambit-agent redirect`), its agent and Envoy
+//! (kind `sidecar`, configured by the sidecar generator) run in its netns.
+//!
+//! ```text
+//!  node-0                                        node-1
+//!  legacy-0: app ─▶ :15001 Envoy ══HBONE══════▶ ztunnel ─▶ web-0 (ambient)
+//!  legacy-0: app ◀─ Envoy :15008 ◀══HBONE═══════ ztunnel ◀─ client (ambient)
+//! ```
+//!
+//! Needs root (CI runs it).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use ambit_tests::eventually;
+use ambit_tests::meshbed::{MeshBed, PodSpec};
+use ambit_tests::netbed::{self, Capture};
+use anyhow::{Context, Result, ensure};
+
+const NS: &str = "shop";
+const WEB: &str = "10.96.0.30";
+const LEGACY: &str = "10.96.0.31";
+const APP_PORT: u16 = 8080;
+
+fn vip(ip: &str) -> SocketAddr {
+    SocketAddr::new(ip.parse().unwrap(), 80)
+}
+
+fn service(name: &str, ip: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: {NS}\nspec:\n  \
+         clusterIP: {ip}\n  selector: {{app: {name}}}\n  ports:\n  \
+         - {{name: tcp-echo, port: 80, targetPort: {APP_PORT}}}\n---\n"
+    )
+}
+
+/// Sends a unique marker through `from` → `dst` and back; checks that no
+/// node saw it in plaintext.
+async fn echo_in_mtls(bed: &MeshBed, from: &str, dst: SocketAddr, what: &str) -> Result<()> {
+    let marker = format!("{what}-marker-{:08x}", rand::random::<u32>());
+    let caps = [
+        Capture::start(bed.cluster.node_netns(0))?,
+        Capture::start(bed.cluster.node_netns(1))?,
+    ];
+    let echoed = bed
+        .echo_once(from, dst, marker.as_bytes())
+        .await
+        .with_context(|| format!("{what}: no echo"))?;
+    ensure!(echoed == marker.as_bytes(), "{what}: echo differs");
+    for (node, cap) in caps.into_iter().enumerate() {
+        let frames = cap.frames();
+        let seen = cap.seen(marker.as_bytes());
+        ensure!(frames > 0, "{what}: node-{node} captured nothing");
+        ensure!(
+            !seen,
+            "{what}: the payload crossed node-{node} in plaintext"
+        );
+    }
+    println!("{what}: echoed, and never in plaintext between the nodes");
+    Ok(())
+}
+
+/// The sidecar's Envoy carried both: out through 15001 and the web
+/// cluster (HBONE to web's identity), in through 15008 to the app.
+async fn through_the_sidecars_envoy(bed: &MeshBed) -> Result<()> {
+    let sidecar = bed.waypoint("legacy-0");
+    for stat in [
+        "listener.0.0.0.0_15001.downstream_cx_total",
+        "tcp.outbound|80||web.shop.svc.cluster.local.downstream_cx_total",
+        "listener.envoy_internal_connect_originate;spiffe_cluster.local/ns/shop/sa/web.downstream_cx_total",
+        "listener.0.0.0.0_15008.downstream_cx_total",
+        "tcp.InboundPassthroughCluster.downstream_cx_total",
+    ] {
+        let n = sidecar.stat(stat).await?;
+        ensure!(n >= 1, "Envoy's {stat} is {n}");
+    }
+    Ok(())
+}
+
+/// A client outside the mesh reaches the sidecar pod in plaintext while
+/// its PeerAuthentication is PERMISSIVE (the default), and is refused once
+/// it is STRICT.
+async fn strict_refuses_plaintext(bed: &MeshBed) -> Result<()> {
+    let app = bed.pod("legacy-0").addr(APP_PORT);
+    let msg = b"plaintext-from-outside";
+    let echoed = bed.echo_once("outsider", app, msg).await?;
+    ensure!(echoed == msg, "PERMISSIVE: the plaintext echo differs");
+    bed.write_config(
+        "strict.yaml",
+        &format!(
+            "apiVersion: security.istio.io/v1\nkind: PeerAuthentication\nmetadata: \
+             {{name: default, namespace: {NS}}}\nspec: {{mtls: {{mode: STRICT}}}}\n"
+        ),
+    )?;
+    let t = std::time::Instant::now();
+    eventually(
+        Duration::from_secs(15),
+        "STRICT refuses plaintext",
+        || async {
+            bed.echo_once("outsider", app, msg)
+                .await
+                .is_err()
+                .then_some(())
+        },
+    )
+    .await?;
+    println!(
+        "STRICT: plaintext refused {:?} after the policy was written",
+        t.elapsed()
+    );
+    // Mesh traffic still flows.
+    let echoed = bed
+        .echo_once("client", vip(LEGACY), b"mesh-still-flows")
+        .await?;
+    ensure!(
+        echoed == b"mesh-still-flows",
+        "STRICT: the mesh echo differs"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_pod_and_ambient_pods_reach_each_other_over_hbone() {
+    if !netbed::can_run("a_sidecar_pod_and_ambient_pods_reach_each_other_over_hbone") {
+        return;
+    }
+    let pods = [
+        PodSpec::sidecar("legacy-0", NS, 0, "legacy"),
+        PodSpec::mesh("web-0", NS, 1, "web"),
+        PodSpec::mesh("client", NS, 1, "client"),
+        PodSpec::plain("outsider", "elsewhere", 1, "outsider"),
+    ];
+    let mut bed = MeshBed::new(2, &pods).unwrap();
+    let yaml = service("web", WEB) + &service("legacy", LEGACY);
+    bed.start(&yaml).await.unwrap();
+    let _web = netbed::echo_server(bed.pod("web-0"), APP_PORT)
+        .await
+        .unwrap();
+    let _legacy = netbed::echo_server(bed.pod("legacy-0"), APP_PORT)
+        .await
+        .unwrap();
+    bed.start_sidecar("legacy-0").await.unwrap();
+
+    let result = async {
+        echo_in_mtls(&bed, "legacy-0", vip(WEB), "sidecar -> ambient").await?;
+        echo_in_mtls(&bed, "client", vip(LEGACY), "ambient -> sidecar").await?;
+        through_the_sidecars_envoy(&bed).await?;
+        strict_refuses_plaintext(&bed).await?;
+        Ok::<(), anyhow::Error>(())
+    }
+    .await;
+    if let Err(e) = result {
+        panic!(
+            "{e:#}\n--- sidecar agent and Envoy log ---\n{}",
+            bed.waypoint("legacy-0").log()
+        );
+    }
+}
