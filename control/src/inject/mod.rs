@@ -15,7 +15,8 @@
 //! volumes         ambit-token   projected ServiceAccount token, audience istio-ca
 //!                 ambit-ca      ConfigMap istio-ca-root-cert (the mesh root)
 //!                 ambit-state   emptyDir (SDS socket, bootstrap)
-//! labels          security.istio.io/tlsMode: istio
+//! labels          security.istio.io/tlsMode: istio, networking.istio.io/tunnel: http
+//!                 (peers reach the pod over HBONE, terminated by its Envoy on 15008)
 //! annotations     sidecar.istio.io/status: what was added (marks the pod injected)
 //! ```
 

@@ -73,7 +73,12 @@ pub fn injection_patch(pod: &Pod, settings: &InjectSettings) -> Result<Vec<Value
             first.name.clone(),
         );
     }
-    let labels = BTreeMap::from([("security.istio.io/tlsMode".to_string(), "istio".to_string())]);
+    // tlsMode: peers' Envoys reach the pod over mTLS; tunnel: ztunnels and
+    // Envoys reach it over HBONE on its Envoy's 15008 (Istio's labels).
+    let labels = BTreeMap::from([
+        ("security.istio.io/tlsMode".to_string(), "istio".to_string()),
+        ("networking.istio.io/tunnel".to_string(), "http".to_string()),
+    ]);
     let meta = &pod.metadata;
     merge_map(
         &mut ops,

@@ -151,9 +151,11 @@ fn a_plain_pod_gets_the_proxy_the_redirection_and_the_status() {
         annotations["kubectl.kubernetes.io/default-container"],
         "server"
     );
+    let labels = meta.labels.as_ref().expect("labels");
+    assert_eq!(labels["security.istio.io/tlsMode"], "istio");
     assert_eq!(
-        meta.labels.as_ref().expect("labels")["security.istio.io/tlsMode"],
-        "istio"
+        labels["networking.istio.io/tunnel"], "http",
+        "peers reach the sidecar over HBONE"
     );
 }
 
