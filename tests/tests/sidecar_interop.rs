@@ -15,6 +15,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use ambit_tests::eventually;
+use ambit_tests::httpapp::{self, HttpApp};
 use ambit_tests::meshbed::{MeshBed, PodSpec};
 use ambit_tests::netbed::{self, Capture};
 use anyhow::{Context, Result, ensure};
@@ -22,6 +23,7 @@ use anyhow::{Context, Result, ensure};
 const NS: &str = "shop";
 const WEB: &str = "10.96.0.30";
 const LEGACY: &str = "10.96.0.31";
+const LLM: &str = "10.96.0.32";
 const APP_PORT: u16 = 8080;
 
 fn vip(ip: &str) -> SocketAddr {
@@ -59,6 +61,60 @@ async fn echo_in_mtls(bed: &MeshBed, from: &str, dst: SocketAddr, what: &str) ->
         );
     }
     println!("{what}: echoed, and never in plaintext between the nodes");
+    Ok(())
+}
+
+/// The `llm` service (HTTP) with subsets v1/v2 split 80/20.
+fn llm_canary() -> String {
+    format!(
+        "apiVersion: v1
+kind: Service
+metadata: {{name: llm, namespace: {NS}}}
+spec:
+  clusterIP: {LLM}
+  selector: {{app: llm}}
+  ports: [{{name: http-api, port: 80, targetPort: {APP_PORT}}}]
+---
+apiVersion: networking.istio.io/v1
+kind: DestinationRule
+metadata: {{name: llm, namespace: {NS}}}
+spec:
+  host: llm
+  subsets:
+  - {{name: v1, labels: {{version: v1}}}}
+  - {{name: v2, labels: {{version: v2}}}}
+---
+apiVersion: networking.istio.io/v1
+kind: VirtualService
+metadata: {{name: llm, namespace: {NS}}}
+spec:
+  hosts: [llm]
+  http:
+  - route:
+    - {{destination: {{host: llm, subset: v1}}, weight: 80}}
+    - {{destination: {{host: llm, subset: v2}}, weight: 20}}
+---
+"
+    )
+}
+
+/// The 80/20 canary holds for a sidecar client: its own Envoy routes (the
+/// waypoint's translation) and reaches both ambient versions over HBONE.
+async fn canary_from_the_sidecar(bed: &MeshBed) -> Result<()> {
+    const N: usize = 2000;
+    let t = std::time::Instant::now();
+    let replies = httpapp::many(bed.pod("legacy-0"), vip(LLM), N, 8, "/", &[]).await;
+    let (by, failures) = httpapp::tally(&replies);
+    ensure!(failures.is_empty(), "{failures:?}");
+    let count = |who: &str| by.get(&format!("{who} 200")).copied().unwrap_or(0);
+    let (v1, v2) = (count("llm-v1"), count("llm-v2"));
+    ensure!(v1 + v2 == N, "{by:?}");
+    let p2 = 100.0 * v2 as f64 / N as f64;
+    println!(
+        "80/20 from the sidecar: {N} requests in {:?}: v1 {v1}, v2 {v2} ({p2:.2} %)",
+        t.elapsed()
+    );
+    ensure!((p2 - 20.0).abs() <= 3.0, "v2 got {p2:.2} %, want 20 ± 3");
     Ok(())
 }
 
@@ -131,9 +187,11 @@ async fn a_sidecar_pod_and_ambient_pods_reach_each_other_over_hbone() {
         PodSpec::mesh("web-0", NS, 1, "web"),
         PodSpec::mesh("client", NS, 1, "client"),
         PodSpec::plain("outsider", "elsewhere", 1, "outsider"),
+        PodSpec::mesh("llm-v1", NS, 1, "llm"),
+        PodSpec::mesh("llm-v2", NS, 1, "llm").version("v2"),
     ];
     let mut bed = MeshBed::new(2, &pods).unwrap();
-    let yaml = service("web", WEB) + &service("legacy", LEGACY);
+    let yaml = service("web", WEB) + &service("legacy", LEGACY) + &llm_canary();
     bed.start(&yaml).await.unwrap();
     let _web = netbed::echo_server(bed.pod("web-0"), APP_PORT)
         .await
@@ -141,12 +199,17 @@ async fn a_sidecar_pod_and_ambient_pods_reach_each_other_over_hbone() {
     let _legacy = netbed::echo_server(bed.pod("legacy-0"), APP_PORT)
         .await
         .unwrap();
+    let _llm = [
+        HttpApp::start(bed.pod("llm-v1"), APP_PORT, "llm-v1").unwrap(),
+        HttpApp::start(bed.pod("llm-v2"), APP_PORT, "llm-v2").unwrap(),
+    ];
     bed.start_sidecar("legacy-0").await.unwrap();
 
     let result = async {
         echo_in_mtls(&bed, "legacy-0", vip(WEB), "sidecar -> ambient").await?;
         echo_in_mtls(&bed, "client", vip(LEGACY), "ambient -> sidecar").await?;
         through_the_sidecars_envoy(&bed).await?;
+        canary_from_the_sidecar(&bed).await?;
         strict_refuses_plaintext(&bed).await?;
         Ok::<(), anyhow::Error>(())
     }
