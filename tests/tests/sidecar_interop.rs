@@ -177,6 +177,35 @@ async fn strict_refuses_plaintext(bed: &MeshBed) -> Result<()> {
     Ok(())
 }
 
+/// Kill the sidecar (agent and Envoy, as a crashed container) and start
+/// it again: its app's outbound fails while it is down (the capture stays,
+/// nothing bypasses the proxy) and works again once it is ready, with no
+/// manual step.
+async fn restart_reconverges(bed: &mut MeshBed) -> Result<()> {
+    bed.waypoint_mut("legacy-0").kill().await?;
+    let down = bed.echo_once("legacy-0", vip(WEB), b"while-down").await;
+    ensure!(down.is_err(), "the app reached web with its sidecar down");
+    let t = std::time::Instant::now();
+    bed.waypoint_mut("legacy-0").start_again().await?;
+    let ready = bed
+        .waypoint("legacy-0")
+        .wait_ready(Duration::from_secs(30))
+        .await?;
+    let first = eventually(
+        Duration::from_secs(20),
+        "traffic after the restart",
+        || async {
+            let echo = bed.echo_once("legacy-0", vip(WEB), b"after-restart").await;
+            echo.ok()
+                .filter(|e| e == b"after-restart")
+                .map(|_| t.elapsed())
+        },
+    )
+    .await?;
+    println!("sidecar restart: ready after {ready:?}, first echo {first:?} after the start");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sidecar_pod_and_ambient_pods_reach_each_other_over_hbone() {
     if !netbed::can_run("a_sidecar_pod_and_ambient_pods_reach_each_other_over_hbone") {
@@ -211,6 +240,7 @@ async fn a_sidecar_pod_and_ambient_pods_reach_each_other_over_hbone() {
         through_the_sidecars_envoy(&bed).await?;
         canary_from_the_sidecar(&bed).await?;
         strict_refuses_plaintext(&bed).await?;
+        restart_reconverges(&mut bed).await?;
         Ok::<(), anyhow::Error>(())
     }
     .await;
