@@ -620,6 +620,37 @@ spec:
 }
 
 #[test]
+fn a_workload_entry_with_istios_tunnel_label_is_hbone() {
+    let yaml = "
+apiVersion: networking.istio.io/v1
+kind: WorkloadEntry
+metadata: {name: vm2, namespace: vm, labels: {networking.istio.io/tunnel: http}}
+spec:
+  address: 172.16.0.10
+  labels: {app: api}
+---
+apiVersion: networking.istio.io/v1
+kind: WorkloadEntry
+metadata: {name: vm3, namespace: vm}
+spec:
+  address: 172.16.0.11
+  labels: {app: api}
+"
+    .to_string();
+    let out = build(&yaml);
+    let we = |name: &str| {
+        out.workloads[&format!("Kubernetes/networking.istio.io/WorkloadEntry/vm/{name}")]
+            .tunnel_protocol
+    };
+    assert_eq!(we("vm2"), TunnelProtocol::Hbone as i32, "labelled");
+    assert_eq!(
+        we("vm3"),
+        TunnelProtocol::None as i32,
+        "not labelled, not ambient"
+    );
+}
+
+#[test]
 fn workload_names_table() {
     // (pod name, labels, owner references yaml, expected workload_name)
     let cases = [
