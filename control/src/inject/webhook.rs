@@ -110,9 +110,10 @@ pub fn review(body: &[u8], settings: &InjectSettings) -> Result<Value, WebhookEr
         Decision::Skip(reason) => {
             debug!(namespace = %req.namespace, pod = %name, "not injected: {reason}");
         }
-        Decision::Inject => match injection_patch(&pod, settings) {
-            Ok(ops) => {
-                let patch = serde_json::to_vec(&ops).unwrap_or_default();
+        Decision::Inject => match injection_patch(&pod, settings)
+            .and_then(|ops| serde_json::to_vec(&ops).map_err(crate::inject::PatchError::from))
+        {
+            Ok(patch) => {
                 response["patchType"] = json!("JSONPatch");
                 response["patch"] = json!(base64::engine::general_purpose::STANDARD.encode(patch));
                 info!(namespace = %req.namespace, pod = %name, "sidecar injected");

@@ -19,7 +19,7 @@
 //! async runtime (a one-shot command), so it blocks; every child process is
 //! killed at [`COMMAND_TIMEOUT`].
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -196,10 +196,14 @@ fn command(program: &str, args: &[&str], stdin: Option<&str>) -> Result<String, 
                 source,
             })?;
     }
+    // Drained while the child runs, so a large `-save` output cannot fill
+    // the pipe and stall it until the deadline.
+    let stdout = drain(child.stdout.take());
+    let stderr = drain(child.stderr.take());
     let deadline = Instant::now() + COMMAND_TIMEOUT;
-    loop {
+    let status = loop {
         match child.try_wait() {
-            Ok(Some(_)) => break,
+            Ok(Some(status)) => break status,
             Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
             Ok(None) | Err(_) => {
                 let _ = child.kill();
@@ -207,21 +211,29 @@ fn command(program: &str, args: &[&str], stdin: Option<&str>) -> Result<String, 
                 return Err(RedirectError::Timeout { command: name });
             }
         }
-    }
-    let out = child
-        .wait_with_output()
-        .map_err(|source| RedirectError::Spawn {
-            command: name.clone(),
-            source,
-        })?;
-    if !out.status.success() {
+    };
+    let stdout = stdout.join().unwrap_or_default();
+    if !status.success() {
         return Err(RedirectError::Failed {
             command: name,
-            status: out.status.to_string(),
-            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+            status: status.to_string(),
+            stderr: String::from_utf8_lossy(&stderr.join().unwrap_or_default())
+                .trim()
+                .to_string(),
         });
     }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    Ok(String::from_utf8_lossy(&stdout).into_owned())
+}
+
+/// Reads `pipe` to its end on a thread of its own.
+fn drain(pipe: Option<impl Read + Send + 'static>) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut out = Vec::new();
+        if let Some(mut p) = pipe {
+            let _ = p.read_to_end(&mut out);
+        }
+        out
+    })
 }
 
 #[cfg(test)]
