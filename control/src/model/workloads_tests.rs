@@ -573,6 +573,16 @@ spec:
   address: vm.example.com
 ---
 apiVersion: networking.istio.io/v1
+kind: WorkloadEntry
+metadata: {name: vm2, namespace: vm, labels: {networking.istio.io/tunnel: http}}
+spec: {address: 172.16.0.10}
+---
+apiVersion: networking.istio.io/v1
+kind: WorkloadEntry
+metadata: {name: vm3, namespace: vm}
+spec: {address: 172.16.0.11}
+---
+apiVersion: networking.istio.io/v1
 kind: ServiceEntry
 metadata: {name: api, namespace: vm}
 spec:
@@ -592,6 +602,20 @@ spec:
         "metadata labels back the spec labels"
     );
     assert_eq!(we.tunnel_protocol, TunnelProtocol::Hbone as i32);
+    let tunnel = |name: &str| {
+        out.workloads[&format!("Kubernetes/networking.istio.io/WorkloadEntry/vm/{name}")]
+            .tunnel_protocol
+    };
+    assert_eq!(
+        tunnel("vm2"),
+        TunnelProtocol::Hbone as i32,
+        "Istio's tunnel label"
+    );
+    assert_eq!(
+        tunnel("vm3"),
+        TunnelProtocol::None as i32,
+        "not ambient, no label"
+    );
     assert_eq!(
         we.services["vm/api.vm.internal"].ports,
         ports(&[(443, 8443)]),
@@ -617,37 +641,6 @@ spec:
     );
     let r = &out.snap.mesh(ambit_proto::ADDRESS_TYPE_URL).by_name[&we.uid];
     assert_eq!(r.aliases, vec!["vmnet/172.16.0.9".to_string()]);
-}
-
-#[test]
-fn a_workload_entry_with_istios_tunnel_label_is_hbone() {
-    let yaml = "
-apiVersion: networking.istio.io/v1
-kind: WorkloadEntry
-metadata: {name: vm2, namespace: vm, labels: {networking.istio.io/tunnel: http}}
-spec:
-  address: 172.16.0.10
-  labels: {app: api}
----
-apiVersion: networking.istio.io/v1
-kind: WorkloadEntry
-metadata: {name: vm3, namespace: vm}
-spec:
-  address: 172.16.0.11
-  labels: {app: api}
-"
-    .to_string();
-    let out = build(&yaml);
-    let we = |name: &str| {
-        out.workloads[&format!("Kubernetes/networking.istio.io/WorkloadEntry/vm/{name}")]
-            .tunnel_protocol
-    };
-    assert_eq!(we("vm2"), TunnelProtocol::Hbone as i32, "labelled");
-    assert_eq!(
-        we("vm3"),
-        TunnelProtocol::None as i32,
-        "not labelled, not ambient"
-    );
 }
 
 #[test]
