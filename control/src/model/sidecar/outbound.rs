@@ -16,7 +16,7 @@ use envoy_types::pb::envoy::config::core::v3::{
     HealthStatus, Metadata, TransportSocket, transport_socket::ConfigType as SocketConfig,
 };
 use envoy_types::pb::envoy::config::endpoint::v3::{
-    ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint::HostIdentifier,
+    Endpoint, LbEndpoint, lb_endpoint::HostIdentifier,
 };
 use envoy_types::pb::envoy::config::listener::v3::{
     Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter, listener_filter,
@@ -48,8 +48,8 @@ use super::{
 };
 use crate::model::snapshot::XdsResource;
 use crate::model::waypoint::clusters::{
-    CONNECT_TIMEOUT, TUNNEL, internal_upstream, originate, raw_buffer, service_cluster,
-    socket_address as endpoint_address, tunnel_endpoint,
+    CONNECT_TIMEOUT, TUNNEL, internal_upstream, load_assignment, originate, raw_buffer,
+    service_cluster, socket_address as endpoint_address, tunnel_endpoint, variant_endpoints,
 };
 use crate::model::waypoint::envoy::{
     SECRET_CERTIFICATE, SECRET_ROOTS, ads, any, bool_value, duration, sds, stable_map, u32_value,
@@ -60,8 +60,7 @@ use crate::model::waypoint::listeners::{
 use crate::model::waypoint::policy::{self, ClusterVariant};
 use crate::model::waypoint::routes::{FAULT_FILTER, domains, service_routes};
 use crate::model::waypoint::{
-    BoundEndpoint, BoundService, CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, Transport,
-    cluster_name,
+    BoundEndpoint, BoundService, CLUSTER_TYPE, LISTENER_TYPE, ROUTE_TYPE, Transport, cluster_name,
 };
 
 /// Endpoint metadata namespace Envoy picks a transport socket match by.
@@ -103,23 +102,6 @@ fn hbone_identities(plan: &NamespacePlan) -> BTreeSet<&str> {
         .filter(|e| e.transport == Transport::Hbone)
         .map(|e| e.identity.as_str())
         .collect()
-}
-
-/// The endpoints of `svc` in cluster variant `v` on service port `port`,
-/// with their target port.
-fn variant_endpoints<'a>(
-    svc: &'a BoundService,
-    port: u16,
-    v: &'a ClusterVariant,
-) -> impl Iterator<Item = (&'a BoundEndpoint, u16)> + 'a {
-    svc.endpoints
-        .iter()
-        .filter(|e| {
-            v.selector
-                .iter()
-                .all(|(k, val)| e.labels.get(k) == Some(val))
-        })
-        .filter_map(move |e| Some((e, e.target_port(port)?)))
 }
 
 /// A service cluster: plaintext by default, HBONE or mTLS for the
@@ -232,15 +214,7 @@ pub fn endpoints(plan: &NamespacePlan) -> Vec<XdsResource> {
                 let lb_endpoints = variant_endpoints(svc, port.port, &v)
                     .map(|(e, target)| lb_endpoint(e, target))
                     .collect();
-                let cla = ClusterLoadAssignment {
-                    cluster_name: name.clone(),
-                    endpoints: vec![LocalityLbEndpoints {
-                        lb_endpoints,
-                        ..Default::default()
-                    }],
-                    ..Default::default()
-                };
-                out.push(XdsResource::new(ENDPOINT_TYPE, name, Vec::new(), &cla));
+                out.push(load_assignment(name, lb_endpoints));
             }
         }
     }

@@ -44,8 +44,8 @@ use super::envoy::{any, duration, hbone_client_tls, stable_map, u32_value};
 use super::listeners::{MAIN_INTERNAL, originate_name};
 use super::tracing::TracingPlan;
 use super::{
-    BoundEndpoint, CLUSTER_TYPE, ENDPOINT_TYPE, HBONE_PORT, WaypointPlan, cluster_name, policy,
-    telemetry,
+    BoundEndpoint, BoundService, CLUSTER_TYPE, ENDPOINT_TYPE, HBONE_PORT, WaypointPlan,
+    cluster_name, policy, telemetry,
 };
 use crate::model::snapshot::XdsResource;
 
@@ -156,30 +156,44 @@ pub fn endpoints(plan: &WaypointPlan) -> Vec<XdsResource> {
         for port in &svc.ports {
             for v in policy::variants(svc.destination_rule.as_ref(), port.port) {
                 let name = cluster_name(port.port, &v.subset, &svc.hostname);
-                let lb_endpoints = svc
-                    .endpoints
-                    .iter()
-                    .filter(|e| {
-                        v.selector
-                            .iter()
-                            .all(|(k, val)| e.labels.get(k) == Some(val))
-                    })
-                    .filter_map(|e| Some((e, e.target_port(port.port)?)))
+                let lb_endpoints = variant_endpoints(svc, port.port, &v)
                     .map(|(e, target)| tunnel_endpoint(e, target))
                     .collect();
-                let cla = ClusterLoadAssignment {
-                    cluster_name: name.clone(),
-                    endpoints: vec![LocalityLbEndpoints {
-                        lb_endpoints,
-                        ..Default::default()
-                    }],
-                    ..Default::default()
-                };
-                out.push(XdsResource::new(ENDPOINT_TYPE, name, Vec::new(), &cla));
+                out.push(load_assignment(name, lb_endpoints));
             }
         }
     }
     out
+}
+
+/// The endpoints of `svc` in cluster variant `v` (its subset's labels) on
+/// service port `port`, with their target port.
+pub(crate) fn variant_endpoints<'a>(
+    svc: &'a BoundService,
+    port: u16,
+    v: &'a policy::ClusterVariant,
+) -> impl Iterator<Item = (&'a BoundEndpoint, u16)> + 'a {
+    svc.endpoints
+        .iter()
+        .filter(|e| {
+            v.selector
+                .iter()
+                .all(|(k, val)| e.labels.get(k) == Some(val))
+        })
+        .filter_map(move |e| Some((e, e.target_port(port)?)))
+}
+
+/// The EDS resource of cluster `name`: one locality holding `lb_endpoints`.
+pub(crate) fn load_assignment(name: String, lb_endpoints: Vec<LbEndpoint>) -> XdsResource {
+    let cla = ClusterLoadAssignment {
+        cluster_name: name.clone(),
+        endpoints: vec![LocalityLbEndpoints {
+            lb_endpoints,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    XdsResource::new(ENDPOINT_TYPE, name, Vec::new(), &cla)
 }
 
 fn internal_address(listener: String, endpoint_id: String) -> Address {
