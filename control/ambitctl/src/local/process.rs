@@ -197,14 +197,53 @@ pub fn kill_each(pids: &[u32], grace: Duration, bound: Duration) -> (Vec<u32>, V
 /// Ports handed out by [`free_port`] in this process, never handed out again.
 static HANDED_OUT: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
 
-/// A free port on 127.0.0.1 (bound to `:0` and released), distinct from
-/// every port this process handed out before.
+/// Where the kernel takes the source ports of outgoing connections
+/// (`net.ipv4.ip_local_port_range`; Linux's default when unreadable).
+fn ephemeral_range() -> (u16, u16) {
+    let text =
+        std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let mut it = text
+        .split_whitespace()
+        .filter_map(|w| w.parse::<u16>().ok());
+    match (it.next(), it.next()) {
+        (Some(lo), Some(hi)) if lo <= hi => (lo, hi),
+        _ => (32768, 60999),
+    }
+}
+
+/// The ports [`free_port`] draws from: a block outside the ephemeral range.
+/// A port picked inside it and released can be taken as the source port of
+/// any connection on the host before the child binds it (CI saw a ztunnel
+/// fail with EADDRINUSE that way); outside it, only another picker can
+/// race us. `None` when the ephemeral range leaves no room.
+fn listen_block() -> Option<(u16, u16)> {
+    let (lo, hi) = ephemeral_range();
+    if lo >= 1024 + 4096 {
+        Some((lo.saturating_sub(20_000).max(1024), lo - 1))
+    } else if hi <= u16::MAX - 4096 {
+        Some((hi + 1, u16::MAX))
+    } else {
+        None
+    }
+}
+
+/// A free port on 127.0.0.1, distinct from every port this process handed
+/// out before. Drawn at random from outside the kernel's ephemeral range and
+/// checked by binding it; bound to `:0` and released when no such range
+/// exists. The child binds it moments later: [`is_port_clash`] tells a
+/// caller that lost the remaining race to pick again.
 pub fn free_port() -> Result<u16, LocalError> {
     let mut guard = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
     let seen = guard.get_or_insert_with(HashSet::new);
-    for _ in 0..100 {
-        let l = TcpListener::bind("127.0.0.1:0")
-            .map_err(LocalError::io("finding a free port", "127.0.0.1:0"))?;
+    let block = listen_block();
+    for _ in 0..200 {
+        let port = match block {
+            Some((lo, hi)) => rand::random_range(lo..=hi),
+            None => 0,
+        };
+        let Ok(l) = TcpListener::bind(("127.0.0.1", port)) else {
+            continue;
+        };
         let port = l
             .local_addr()
             .map_err(LocalError::io("finding a free port", "127.0.0.1:0"))?
@@ -215,9 +254,17 @@ pub fn free_port() -> Result<u16, LocalError> {
     }
     Err(LocalError::Io {
         what: "finding a free port".into(),
-        path: "127.0.0.1:0".into(),
-        source: std::io::Error::other("the OS keeps returning ports already handed out"),
+        path: "127.0.0.1".into(),
+        source: std::io::Error::other(
+            "200 tries found no free port outside the ephemeral range that was not handed out already",
+        ),
     })
+}
+
+/// Whether `err` is a child that exited because a port picked for it was
+/// taken before it could bind it.
+pub fn is_port_clash(err: &LocalError) -> bool {
+    matches!(err, LocalError::Exited { tail, .. } if tail.contains("Address already in use"))
 }
 
 /// `127.0.0.1:<free port>`.
@@ -350,4 +397,35 @@ pub fn read_tail(path: &Path, max: u64) -> Vec<String> {
         lines.remove(0); // probably cut in the middle
     }
     lines
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_ports_stay_out_of_the_ephemeral_range_and_are_never_repeated() {
+        let (lo, hi) = ephemeral_range();
+        let mut seen = HashSet::new();
+        for _ in 0..50 {
+            let port = free_port().unwrap();
+            if listen_block().is_some() {
+                assert!(!(lo..=hi).contains(&port), "{port} is in {lo}-{hi}");
+            }
+            assert!(seen.insert(port), "{port} handed out twice");
+        }
+    }
+
+    #[test]
+    fn only_an_address_in_use_exit_is_a_port_clash() {
+        let exited = |tail: &str| LocalError::Exited {
+            what: "the ztunnel".into(),
+            pid: 1,
+            log: "/tmp/log".into(),
+            tail: tail.into(),
+        };
+        let clash = "could not bind the stats listener on 127.0.0.1:43179: Address already in use (os error 98)";
+        assert!(is_port_clash(&exited(clash)));
+        assert!(!is_port_clash(&exited("no such file")));
+    }
 }

@@ -18,6 +18,10 @@ use super::{DownOptions, LocalCluster, LocalError, UpOptions, check_name, down, 
 /// Longest unix socket path (`sun_path` is 108 bytes with the NUL).
 const MAX_SOCKET_PATH: usize = 107;
 
+/// How often a child that lost a picked port to another process is started
+/// again on fresh ports.
+const PORT_TRIES: usize = 3;
+
 pub(super) fn up(opts: &UpOptions) -> Result<LocalCluster, LocalError> {
     check_name(&opts.name)?;
     let state_dir = absolute(&opts.state_dir_or_default())?;
@@ -220,7 +224,16 @@ impl Builder {
         }
         self.plan_nodes()?;
         self.topology()?;
-        self.control()?;
+        let mut tries = 0;
+        loop {
+            match self.control() {
+                Err(e) if process::is_port_clash(&e) && tries < PORT_TRIES => {
+                    tries += 1;
+                    self.forget_exited(&e)?;
+                }
+                r => break r?,
+            }
+        }
         self.node_processes()?;
         self.pods(&cni_bin)?;
         // Waypoints before the apps, so no app's first call finds a
@@ -425,27 +438,7 @@ impl Builder {
             let log = self.state.log_dir().join(format!("agent-{}.log", n.name));
             let pid = self.spawn(Role::NodeAgent, Some(&n.name), None, agent, log.clone())?;
             waits.push((n.clone(), Role::NodeAgent, pid, log));
-            let zt = vec![
-                self.bin("ztunnel").display().to_string(),
-                "--xds-address".into(),
-                xds.clone(),
-                "--ca-address".into(),
-                xds.clone(),
-                "--node-name".into(),
-                n.name.clone(),
-                "--token-file".into(),
-                n.token_file.display().to_string(),
-                "--root-cert".into(),
-                root.display().to_string(),
-                "--admin-addr".into(),
-                n.admin_addr.to_string(),
-                "--stats-addr".into(),
-                n.stats_addr.to_string(),
-                "--readiness-addr".into(),
-                n.readiness_addr.to_string(),
-                "--zds-path".into(),
-                n.zds_socket.display().to_string(),
-            ];
+            let zt = self.ztunnel_cmd(&n, &xds, &root);
             let log = self.state.log_dir().join(format!("ztunnel-{}.log", n.name));
             let pid = self.spawn(Role::Ztunnel, Some(&n.name), None, zt, log.clone())?;
             waits.push((n, Role::Ztunnel, pid, log));
@@ -465,23 +458,93 @@ impl Builder {
                     || cni::has_ambit(&n.conflist) && n.cni_socket.exists(),
                 )?;
             } else {
-                let addr = n.readiness_addr;
-                wait_until(
-                    &format!(
-                        "the ztunnel of node {} to be ready (http://{addr}/healthz/ready)",
-                        n.name
-                    ),
-                    Some(pid),
-                    &log,
-                    self.timeout,
-                    || {
-                        process::http_get(addr, "/healthz/ready", Duration::from_secs(1))
-                            .is_ok_and(|(s, _)| s == 200)
-                    },
-                )?;
+                self.wait_ztunnel(n, pid, log, &xds, &root)?;
             }
         }
         Ok(())
+    }
+
+    fn ztunnel_cmd(&self, n: &NodeState, xds: &str, root: &Path) -> Vec<String> {
+        vec![
+            self.bin("ztunnel").display().to_string(),
+            "--xds-address".into(),
+            xds.into(),
+            "--ca-address".into(),
+            xds.into(),
+            "--node-name".into(),
+            n.name.clone(),
+            "--token-file".into(),
+            n.token_file.display().to_string(),
+            "--root-cert".into(),
+            root.display().to_string(),
+            "--admin-addr".into(),
+            n.admin_addr.to_string(),
+            "--stats-addr".into(),
+            n.stats_addr.to_string(),
+            "--readiness-addr".into(),
+            n.readiness_addr.to_string(),
+            "--zds-path".into(),
+            n.zds_socket.display().to_string(),
+        ]
+    }
+
+    /// Waits for node `n`'s ztunnel to report ready; starts it again on
+    /// fresh ports when another process took one of its ports first.
+    fn wait_ztunnel(
+        &mut self,
+        mut n: NodeState,
+        mut pid: u32,
+        log: PathBuf,
+        xds: &str,
+        root: &Path,
+    ) -> Result<(), LocalError> {
+        let mut tries = 0;
+        loop {
+            let addr = n.readiness_addr;
+            let ready = wait_until(
+                &format!(
+                    "the ztunnel of node {} to be ready (http://{addr}/healthz/ready)",
+                    n.name
+                ),
+                Some(pid),
+                &log,
+                self.timeout,
+                || {
+                    process::http_get(addr, "/healthz/ready", Duration::from_secs(1))
+                        .is_ok_and(|(s, _)| s == 200)
+                },
+            );
+            match ready {
+                Err(e) if process::is_port_clash(&e) && tries < PORT_TRIES => {
+                    tries += 1;
+                    self.forget_exited(&e)?;
+                    n.admin_addr = free_addr()?;
+                    n.stats_addr = free_addr()?;
+                    n.readiness_addr = free_addr()?;
+                    if let Some(slot) = self.state.nodes.iter_mut().find(|s| s.name == n.name) {
+                        *slot = n.clone();
+                    }
+                    let cmd = self.ztunnel_cmd(&n, xds, root);
+                    pid = self.spawn(Role::Ztunnel, Some(&n.name), None, cmd, log.clone())?;
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// Forgets the child `err` reports exited: reaps it and drops its record,
+    /// so `down` never signals a pid the OS may have handed to another process.
+    fn forget_exited(&mut self, err: &LocalError) -> Result<(), LocalError> {
+        let LocalError::Exited { pid, .. } = err else {
+            return Ok(());
+        };
+        self.state.processes.retain(|p| p.pid != *pid);
+        if let Some(i) = self.children.iter().position(|c| c.id() == *pid) {
+            let mut child = self.children.swap_remove(i);
+            // Exited already: this only reaps it.
+            let _ = child.wait();
+        }
+        self.state.save()
     }
 
     fn pods(&mut self, cni_bin: &Path) -> Result<(), LocalError> {
