@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use ambit_tests::eventually;
 use ambit_tests::httpapp::{self, HttpApp};
-use ambit_tests::meshbed::{MeshBed, PodSpec};
+use ambit_tests::meshbed::{MeshBed, PodSpec, metric_sum};
 use ambit_tests::netbed::{self, Capture};
 use anyhow::{Context, Result, ensure};
 
@@ -24,7 +24,13 @@ const NS: &str = "shop";
 const WEB: &str = "10.96.0.30";
 const LEGACY: &str = "10.96.0.31";
 const LLM: &str = "10.96.0.32";
+const LEGACY_HTTP: &str = "10.96.0.33";
 const APP_PORT: u16 = 8080;
+/// The sidecar pod's HTTP app (behind `legacy-http`).
+const HTTP_PORT: u16 = 8081;
+const LLM_HOST: &str = "llm.shop.svc.cluster.local";
+const LEGACY_ID: &str = "spiffe://cluster.local/ns/shop/sa/legacy";
+const CLIENT_ID: &str = "spiffe://cluster.local/ns/shop/sa/client";
 
 fn vip(ip: &str) -> SocketAddr {
     SocketAddr::new(ip.parse().unwrap(), 80)
@@ -99,9 +105,21 @@ spec:
 }
 
 /// The 80/20 canary holds for a sidecar client: its own Envoy routes (the
-/// waypoint's translation) and reaches both ambient versions over HBONE.
+/// waypoint's translation) and reaches both ambient versions over HBONE;
+/// its `istio_requests_total{reporter="source"}` counts each version's
+/// replies exactly, naming the sidecar pod as the source.
 async fn canary_from_the_sidecar(bed: &MeshBed) -> Result<()> {
     const N: usize = 2000;
+    let source = [
+        ("reporter", "source"),
+        ("source_workload", "legacy-0"),
+        ("source_workload_namespace", NS),
+        ("source_principal", LEGACY_ID),
+        ("destination_service", LLM_HOST),
+        ("destination_service_name", "llm"),
+        ("response_code", "200"),
+    ];
+    let before = sidecar_metrics(bed).await?;
     let t = std::time::Instant::now();
     let replies = httpapp::many(bed.pod("legacy-0"), vip(LLM), N, 8, "/", &[]).await;
     let (by, failures) = httpapp::tally(&replies);
@@ -115,7 +133,79 @@ async fn canary_from_the_sidecar(bed: &MeshBed) -> Result<()> {
         t.elapsed()
     );
     ensure!((p2 - 20.0).abs() <= 3.0, "v2 got {p2:.2} %, want 20 ± 3");
+    let after = settled(bed, &source, &before, N).await?;
+    for (version, served) in [("v1", v1), ("v2", v2)] {
+        let workload = format!("llm-{version}");
+        let mut labels = source.to_vec();
+        labels.push(("destination_version", version));
+        labels.push(("destination_workload", &workload));
+        let counted = metric_sum(&after, "istio_requests_total", &labels)
+            - metric_sum(&before, "istio_requests_total", &labels);
+        println!("reporter=source: {version} counted {counted}, served {served}");
+        ensure!(
+            counted == served as f64,
+            "{version}: istio_requests_total{{reporter=\"source\"}} rose by {counted}, the app served {served}"
+        );
+    }
     Ok(())
+}
+
+/// HTTP from an ambient pod to the sidecar pod's app: the sidecar counts
+/// every request with `reporter="destination"`, naming itself as the
+/// destination and the caller by the identity its HBONE tunnel proved.
+async fn destination_metrics(bed: &MeshBed) -> Result<()> {
+    const N: usize = 200;
+    let dst = [
+        ("reporter", "destination"),
+        ("destination_workload", "legacy-0"),
+        ("destination_principal", LEGACY_ID),
+        ("destination_service", "legacy-http.shop.svc.cluster.local"),
+        ("source_principal", CLIENT_ID),
+        ("connection_security_policy", "mutual_tls"),
+        ("response_code", "200"),
+    ];
+    let before = sidecar_metrics(bed).await?;
+    let dst_vip = SocketAddr::new(LEGACY_HTTP.parse()?, 80);
+    let replies = httpapp::many(bed.pod("client"), dst_vip, N, 4, "/", &[]).await;
+    let (by, failures) = httpapp::tally(&replies);
+    ensure!(failures.is_empty(), "{failures:?}");
+    ensure!(by.get("legacy-http 200") == Some(&N), "{by:?}");
+    settled(bed, &dst, &before, N).await?;
+    println!("reporter=destination: {N} requests from the ambient client counted");
+    Ok(())
+}
+
+/// The sidecar's merged metrics (agent + Envoy) from 15020.
+async fn sidecar_metrics(bed: &MeshBed) -> Result<String> {
+    let (status, body) = bed
+        .waypoint("legacy-0")
+        .get("metrics", "/stats/prometheus")
+        .await?;
+    ensure!(status == 200, "the sidecar's 15020 answered {status}");
+    Ok(body)
+}
+
+/// Metrics once `istio_requests_total` with `labels` rose by `n` since
+/// `before` (a request is counted as it completes, just after its reply).
+async fn settled(bed: &MeshBed, labels: &[(&str, &str)], before: &str, n: usize) -> Result<String> {
+    let base = metric_sum(before, "istio_requests_total", labels);
+    let last = std::cell::Cell::new(0.0);
+    let got = eventually(
+        Duration::from_secs(5),
+        "the requests to be counted",
+        || async {
+            let text = sidecar_metrics(bed).await.ok()?;
+            last.set(metric_sum(&text, "istio_requests_total", labels) - base);
+            (last.get() == n as f64).then_some(text)
+        },
+    )
+    .await;
+    got.with_context(|| {
+        format!(
+            "istio_requests_total{labels:?} rose by {}, want {n}",
+            last.get()
+        )
+    })
 }
 
 /// The sidecar's Envoy carried both: out through 15001 and the web
@@ -220,7 +310,14 @@ async fn a_sidecar_pod_and_ambient_pods_reach_each_other_over_hbone() {
         PodSpec::mesh("llm-v2", NS, 1, "llm").version("v2"),
     ];
     let mut bed = MeshBed::new(2, &pods).unwrap();
-    let yaml = service("web", WEB) + &service("legacy", LEGACY) + &llm_canary();
+    let yaml = service("web", WEB)
+        + &service("legacy", LEGACY)
+        + &llm_canary()
+        + &format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: legacy-http, namespace: {NS}}}\n\
+             spec:\n  clusterIP: {LEGACY_HTTP}\n  selector: {{app: legacy}}\n  \
+             ports: [{{name: http-api, port: 80, targetPort: {HTTP_PORT}}}]\n---\n"
+        );
     bed.start(&yaml).await.unwrap();
     let _web = netbed::echo_server(bed.pod("web-0"), APP_PORT)
         .await
@@ -231,6 +328,7 @@ async fn a_sidecar_pod_and_ambient_pods_reach_each_other_over_hbone() {
     let _llm = [
         HttpApp::start(bed.pod("llm-v1"), APP_PORT, "llm-v1").unwrap(),
         HttpApp::start(bed.pod("llm-v2"), APP_PORT, "llm-v2").unwrap(),
+        HttpApp::start(bed.pod("legacy-0"), HTTP_PORT, "legacy-http").unwrap(),
     ];
     bed.start_sidecar("legacy-0").await.unwrap();
 
@@ -239,6 +337,7 @@ async fn a_sidecar_pod_and_ambient_pods_reach_each_other_over_hbone() {
         echo_in_mtls(&bed, "client", vip(LEGACY), "ambient -> sidecar").await?;
         through_the_sidecars_envoy(&bed).await?;
         canary_from_the_sidecar(&bed).await?;
+        destination_metrics(&bed).await?;
         strict_refuses_plaintext(&bed).await?;
         restart_reconverges(&mut bed).await?;
         Ok::<(), anyhow::Error>(())

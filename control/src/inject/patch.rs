@@ -176,6 +176,31 @@ fn mount(name: &str, path: &str, read_only: bool) -> VolumeMount {
     }
 }
 
+/// The workload a pod belongs to, as its request metrics name it: a
+/// ReplicaSet owner less its pod-template-hash (the Deployment), another
+/// controller's name, else the pod's name or, before the API server names
+/// it, its `generateName` prefix.
+fn workload_name(pod: &Pod) -> String {
+    let m = &pod.metadata;
+    let hash = m.labels.as_ref().and_then(|l| l.get("pod-template-hash"));
+    let owners = m.owner_references.as_deref().unwrap_or_default();
+    let owner = owners
+        .iter()
+        .find(|o| o.controller == Some(true))
+        .or(owners.first());
+    if let Some(o) = owner {
+        let deployment = hash
+            .filter(|_| o.kind == "ReplicaSet")
+            .and_then(|h| o.name.strip_suffix(h.as_str())?.strip_suffix('-'));
+        return deployment.unwrap_or(&o.name).to_string();
+    }
+    match (&m.name, &m.generate_name) {
+        (Some(name), _) if !name.is_empty() => name.clone(),
+        (_, Some(prefix)) => prefix.trim_end_matches('-').to_string(),
+        _ => String::new(),
+    }
+}
+
 fn proxy_container(pod: &Pod, s: &InjectSettings) -> Container {
     // The pod's labels at injection time become the proxy's node metadata
     // (workload name, version, canonical service for telemetry). Label
@@ -198,6 +223,7 @@ fn proxy_container(pod: &Pod, s: &InjectSettings) -> Container {
             field_env("SERVICE_ACCOUNT", "spec.serviceAccountName"),
             field_env("NODE_NAME", "spec.nodeName"),
             env("LABELS", labels.join(",")),
+            env("WORKLOAD_NAME", workload_name(pod)),
             env("XDS_ADDRESS", s.xds_address.clone()),
             env("TRUST_DOMAIN", s.trust_domain.clone()),
             env("CLUSTER_ID", s.cluster_id.clone()),

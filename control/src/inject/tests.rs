@@ -319,3 +319,42 @@ fn the_patch_applier_refuses_what_it_does_not_do() {
     apply_patch(&mut doc, &escaped).expect("applies");
     assert_eq!(doc["x/y~z"], 2);
 }
+
+#[test]
+fn the_proxy_is_told_which_workload_it_serves() {
+    let name_of = |metadata: Value| {
+        let pod = pod_of(&json!({"metadata": metadata, "spec": {"containers": [{"name": "app"}]}}));
+        let ops = injection_patch(&pod, &InjectSettings::default()).expect("patch");
+        let proxy = ops
+            .iter()
+            .find(|op| op["value"]["name"] == PROXY_CONTAINER)
+            .map(|op| op["value"].clone())
+            .or_else(|| {
+                ops.iter()
+                    .filter_map(|op| op["value"].as_array())
+                    .flatten()
+                    .find(|c| c["name"] == PROXY_CONTAINER)
+                    .cloned()
+            })
+            .expect("the proxy container is added");
+        proxy["env"]
+            .as_array()
+            .and_then(|env| env.iter().find(|e| e["name"] == "WORKLOAD_NAME"))
+            .map(|e| e["value"].as_str().unwrap_or_default().to_string())
+            .expect("WORKLOAD_NAME is set")
+    };
+    // A Deployment's pod as the ReplicaSet creates it: no name yet.
+    let deployment = json!({
+        "generateName": "llm-v2-5d8f7c6b9-",
+        "labels": {"app": "llm", "pod-template-hash": "5d8f7c6b9"},
+        "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "llm-v2-5d8f7c6b9", "uid": "u", "controller": true}],
+    });
+    assert_eq!(name_of(deployment), "llm-v2");
+    let stateful = json!({
+        "name": "vector-db-0",
+        "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "vector-db", "uid": "u", "controller": true}],
+    });
+    assert_eq!(name_of(stateful), "vector-db");
+    assert_eq!(name_of(json!({"name": "lonely"})), "lonely");
+    assert_eq!(name_of(json!({"generateName": "job-"})), "job");
+}

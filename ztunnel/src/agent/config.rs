@@ -10,6 +10,7 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 
 use super::AgentError;
+use super::request_metrics::ReporterLabels;
 use crate::identity::Identity;
 
 /// Envoy admin, on 127.0.0.1 (SPEC §2).
@@ -84,6 +85,12 @@ pub struct AgentConfig {
     /// `gateway.networking.k8s.io/gateway-name=<gateway>`.
     #[arg(long, env = "LABELS", value_delimiter = ',', value_parser = parse_label)]
     pub labels: Vec<(String, String)>,
+
+    /// The workload the pod belongs to (its Deployment, StatefulSet, …), as
+    /// a sidecar's request metrics name it; the injector sets it. Unset: the
+    /// pod name, less a ReplicaSet's `-<pod-template-hash>-<suffix>`.
+    #[arg(long, env = "WORKLOAD_NAME")]
+    pub workload_name: Option<String>,
 
     /// The control plane's TLS xDS endpoint, `https://host:15012`. Envoy
     /// connects to it itself, with the workload certificate as its client
@@ -208,6 +215,7 @@ impl AgentConfig {
             pod_ip: vec![pod_ip],
             node_name: String::new(),
             labels: Vec::new(),
+            workload_name: None,
             xds_address: xds_address.into(),
             ca_address: None,
             root_cert: None,
@@ -251,6 +259,38 @@ impl AgentConfig {
             self.pod_name,
             ns = self.namespace,
         )
+    }
+
+    /// The pod as its sidecar's request metrics name it: the workload,
+    /// and the app and version by Istio's canonical-service label rules.
+    pub fn reporter_labels(&self) -> ReporterLabels {
+        let labels = self.label_map();
+        let first = |keys: &[&str]| keys.iter().find_map(|k| labels.get(*k).cloned());
+        let workload = self
+            .workload_name
+            .clone()
+            .filter(|w| !w.is_empty())
+            .unwrap_or_else(|| {
+                workload_from_pod_name(&self.pod_name, labels.get("pod-template-hash"))
+            });
+        ReporterLabels {
+            app: first(&[
+                "service.istio.io/canonical-name",
+                "app.kubernetes.io/name",
+                "app",
+            ])
+            .unwrap_or_else(|| workload.clone()),
+            version: first(&[
+                "service.istio.io/canonical-revision",
+                "app.kubernetes.io/version",
+                "version",
+            ])
+            .unwrap_or_else(|| "latest".to_string()),
+            principal: self.identity().to_string(),
+            namespace: self.namespace.clone(),
+            cluster: self.cluster_id.clone(),
+            workload,
+        }
     }
 
     /// The labels as a map (a repeated key keeps its last value).
@@ -398,6 +438,18 @@ pub(crate) fn is_bare_name(path: &Path) -> bool {
     path.components().count() == 1 && !path.as_os_str().to_string_lossy().contains('/')
 }
 
+/// A Deployment's pod is named `<deployment>-<pod-template-hash>-<suffix>`;
+/// any other pod is its own workload.
+fn workload_from_pod_name(pod: &str, hash: Option<&String>) -> String {
+    hash.filter(|h| !h.is_empty())
+        .and_then(|h| {
+            let (prefix, _suffix) = pod.rsplit_once('-')?;
+            let dep = prefix.strip_suffix(h.as_str())?.strip_suffix('-')?;
+            (!dep.is_empty()).then(|| dep.to_string())
+        })
+        .unwrap_or_else(|| pod.to_string())
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
@@ -523,5 +575,35 @@ mod tests {
         assert!(is_bare_name(Path::new("envoy")));
         assert!(!is_bare_name(Path::new("./envoy")));
         assert!(!is_bare_name(Path::new("/usr/bin/envoy")));
+    }
+
+    #[test]
+    fn a_sidecar_reports_as_its_workload_app_and_version() {
+        let mut c = AgentConfig::new(
+            EnvoyKind::Sidecar,
+            "shop",
+            "llm",
+            "llm-v2-5d8f7c6b9-abcde",
+            "10.0.0.5".parse().unwrap(),
+            "https://control:15012",
+        );
+        c.labels = vec![
+            ("app".into(), "llm".into()),
+            ("version".into(), "v2".into()),
+            ("pod-template-hash".into(), "5d8f7c6b9".into()),
+        ];
+        let me = c.reporter_labels();
+        assert_eq!(me.workload, "llm-v2");
+        assert_eq!((me.app.as_str(), me.version.as_str()), ("llm", "v2"));
+        assert_eq!(me.principal, "spiffe://cluster.local/ns/shop/sa/llm");
+        assert_eq!(me.cluster, "Kubernetes");
+        c.workload_name = Some("llm-canary".into());
+        c.labels.clear();
+        let me = c.reporter_labels();
+        assert_eq!(me.workload, "llm-canary");
+        assert_eq!(
+            (me.app.as_str(), me.version.as_str()),
+            ("llm-canary", "latest")
+        );
     }
 }

@@ -10,6 +10,10 @@
 //! * the `source_baggage` label becomes `source_workload`,
 //!   `source_workload_namespace`, `source_app`, `source_version` (and
 //!   `source_cluster`);
+//! * a sidecar's series (`reporter="source"` or `"destination"`) get the
+//!   reporting pod's own labels (`source_*` or `destination_*`): the
+//!   control plane shares one outbound configuration among a namespace's
+//!   sidecars, so only the agent knows which pod it is;
 //! * empty workload labels read `unknown`, as Istio's do;
 //! * `ambit_requests_denied_total` keeps only the requests an RBAC filter
 //!   refused, its `policy` label naming the policy (`<namespace>/<name>`,
@@ -40,11 +44,38 @@ const UNKNOWN_WHEN_EMPTY: [&str; 10] = [
     "destination_version",
 ];
 
-/// Rewrites Envoy's Prometheus text as described in the module docs.
-pub fn rewrite(envoy_text: &str) -> String {
+/// Who the reporting pod is, as its sidecar's series name it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReporterLabels {
+    pub workload: String,
+    pub namespace: String,
+    pub principal: String,
+    pub app: String,
+    pub version: String,
+    pub cluster: String,
+}
+
+impl ReporterLabels {
+    /// The labels, each name prefixed with `side` (`source` or `destination`).
+    fn as_side(&self, side: &str) -> [(String, String); 6] {
+        [
+            ("workload", &self.workload),
+            ("workload_namespace", &self.namespace),
+            ("principal", &self.principal),
+            ("app", &self.app),
+            ("version", &self.version),
+            ("cluster", &self.cluster),
+        ]
+        .map(|(k, v)| (format!("{side}_{k}"), v.clone()))
+    }
+}
+
+/// Rewrites Envoy's Prometheus text as described in the module docs;
+/// `me` is the pod a sidecar reports for.
+pub fn rewrite(envoy_text: &str, me: &ReporterLabels) -> String {
     let mut out = String::with_capacity(envoy_text.len());
     for line in envoy_text.lines() {
-        match rewrite_line(line) {
+        match rewrite_line(line, me) {
             Some(l) => {
                 out.push_str(&l);
                 out.push('\n');
@@ -62,7 +93,7 @@ fn scoped(name: &str) -> Option<&str> {
 }
 
 /// One line rewritten; `None` drops it.
-fn rewrite_line(line: &str) -> Option<String> {
+fn rewrite_line(line: &str, me: &ReporterLabels) -> Option<String> {
     if let Some(rest) = line.strip_prefix("# TYPE ") {
         let (name, kind) = rest.split_once(' ')?;
         return Some(match scoped(name) {
@@ -81,7 +112,7 @@ fn rewrite_line(line: &str) -> Option<String> {
         return Some(format!("{name}{}", &line[name_end..]));
     };
     let (labels, value) = parse_labels(rest)?;
-    let labels = relabel(name, labels)?;
+    let labels = relabel(name, labels, me)?;
     let mut out = String::with_capacity(line.len());
     out.push_str(name);
     out.push('{');
@@ -101,10 +132,19 @@ fn rewrite_line(line: &str) -> Option<String> {
 
 /// The labels of one series, changed as the module docs say; `None` drops
 /// the series.
-fn relabel(name: &str, labels: Vec<(String, String)>) -> Option<Vec<(String, String)>> {
-    let mut out = Vec::with_capacity(labels.len() + 4);
+fn relabel(
+    name: &str,
+    labels: Vec<(String, String)>,
+    me: &ReporterLabels,
+) -> Option<Vec<(String, String)>> {
+    let mut out = Vec::with_capacity(labels.len() + 6);
     for (k, v) in labels {
         match k.as_str() {
+            "reporter" if v == "source" || v == "destination" => {
+                let side = me.as_side(&v);
+                out.push((k, v));
+                out.extend(side);
+            }
             "source_baggage" => out.extend(from_baggage(&v)),
             "policy" if name == DENIED => out.push((k, denied_policy(&v)?)),
             "grpc_response_status" if v == "-" => out.push((k, String::new())),
@@ -227,7 +267,7 @@ envoy_ambit_requests_denied_total{reporter="waypoint",policy="via_upstream",dest
 
     #[test]
     fn istio_names_baggage_and_denials() {
-        let out = rewrite(ENVOY);
+        let out = rewrite(ENVOY, &ReporterLabels::default());
         assert!(out.contains("envoy_cluster_upstream_rq{envoy_response_code=\"200\",envoy_cluster_name=\"x\"} 7\n"), "{out}");
         assert!(
             out.contains("# TYPE istio_requests_total counter\n"),
@@ -264,11 +304,31 @@ envoy_ambit_requests_denied_total{reporter="waypoint",policy="via_upstream",dest
             "envoy_istio_x{a=\"\\",
             "",
         ] {
-            let _ = rewrite(bad);
+            let _ = rewrite(bad, &ReporterLabels::default());
         }
         assert_eq!(
-            rewrite("envoy_istio_requests_total 3\n"),
+            rewrite("envoy_istio_requests_total 3\n", &ReporterLabels::default()),
             "istio_requests_total 3\n"
         );
+    }
+
+    #[test]
+    fn a_sidecar_names_itself_as_source_or_destination() {
+        let me = ReporterLabels {
+            workload: "client".into(),
+            namespace: "shop".into(),
+            principal: "spiffe://cluster.local/ns/shop/sa/client".into(),
+            app: "client".into(),
+            version: "v1".into(),
+            cluster: "Kubernetes".into(),
+        };
+        let text = "envoy_istio_requests_total{reporter=\"source\",destination_workload=\"llm-v2\",response_code=\"200\"} 7\n\
+envoy_istio_requests_total{reporter=\"destination\",source_principal=\"\",source_baggage=\"\",response_code=\"200\"} 2\n";
+        let out = rewrite(text, &me);
+        assert!(out.contains("istio_requests_total{reporter=\"source\",source_workload=\"client\",source_workload_namespace=\"shop\",source_principal=\"spiffe://cluster.local/ns/shop/sa/client\",source_app=\"client\",source_version=\"v1\",source_cluster=\"Kubernetes\",destination_workload=\"llm-v2\",response_code=\"200\"} 7\n"), "{out}");
+        assert!(out.contains("istio_requests_total{reporter=\"destination\",destination_workload=\"client\",destination_workload_namespace=\"shop\",destination_principal=\"spiffe://cluster.local/ns/shop/sa/client\",destination_app=\"client\",destination_version=\"v1\",destination_cluster=\"Kubernetes\",source_principal=\"unknown\",source_workload=\"unknown\""), "{out}");
+        // A waypoint's series are left as they are.
+        let waypoint = rewrite("envoy_istio_requests_total{reporter=\"waypoint\"} 1\n", &me);
+        assert_eq!(waypoint, "istio_requests_total{reporter=\"waypoint\"} 1\n");
     }
 }

@@ -165,6 +165,7 @@ async fn serve(
         admin,
         registry,
         metrics: status_metrics,
+        reporter: config.reporter_labels(),
     });
     let (drain_trigger, watcher) = drain::channel();
     let tasks = vec![

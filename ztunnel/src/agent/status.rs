@@ -36,6 +36,7 @@ use tokio::sync::{Semaphore, watch};
 use tracing::{debug, warn};
 
 use super::envoy_admin::EnvoyAdmin;
+use super::request_metrics::ReporterLabels;
 use super::secrets::CertStatus;
 use crate::drain::{DrainWatcher, run_until_drained};
 
@@ -100,6 +101,8 @@ pub struct StatusContext {
     pub registry: Registry,
     /// Scrape failures.
     pub metrics: StatusMetrics,
+    /// Who a sidecar's request metrics report for.
+    pub reporter: ReporterLabels,
 }
 
 /// Which listener a request came in on.
@@ -171,9 +174,10 @@ impl StatusContext {
             .await
         {
             Ok((status, body)) if status.is_success() => {
-                out.push_str(&super::request_metrics::rewrite(&String::from_utf8_lossy(
-                    &body,
-                )));
+                out.push_str(&super::request_metrics::rewrite(
+                    &String::from_utf8_lossy(&body),
+                    &self.reporter,
+                ));
             }
             Ok((status, _)) => {
                 self.metrics.scrape_failures.inc();
@@ -352,6 +356,7 @@ mod tests {
             admin: EnvoyAdmin::new("127.0.0.1:9".parse().unwrap()),
             registry: Registry::default(),
             metrics: StatusMetrics::default(),
+            reporter: ReporterLabels::default(),
         };
         (ctx, cert_tx, envoy_tx)
     }

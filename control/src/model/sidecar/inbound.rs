@@ -43,6 +43,7 @@ use envoy_types::pb::envoy::r#type::matcher::v3::{
     StringMatcher, filter_state_matcher, string_matcher::MatchPattern,
 };
 
+use super::telemetry::{self, Caller};
 use super::{
     INBOUND_PASSTHROUGH_CLUSTER, INBOUND_PORT, INBOUND_SOURCE, InboundPort, PeerMode, PodPlan,
     VIRTUAL_INBOUND,
@@ -151,7 +152,7 @@ fn mode_chains(p: &InboundPort, port: Option<u16>, trust_domain: &str) -> Vec<Fi
                 transport_protocol: transport.unwrap_or_default().to_string(),
                 ..Default::default()
             }),
-            filters: app_filters(p, tls),
+            filters: app_filters(p, if tls { Caller::Tls } else { Caller::Plaintext }),
             transport_socket: tls.then(|| server_tls(trust_domain)),
             ..Default::default()
         }
@@ -203,9 +204,9 @@ fn server_tls(trust_domain: &str) -> TransportSocket {
 /// certificate's identity (the waypoint's builder reads it from the
 /// filter state HBONE termination sets; here it comes from the TLS
 /// connection itself).
-fn app_filters(p: &InboundPort, tls: bool) -> Vec<Filter> {
+fn app_filters(p: &InboundPort, caller: Caller) -> Vec<Filter> {
     let mut rbac = p.rbac.clone();
-    if tls {
+    if caller == Caller::Tls {
         for rules in [&mut rbac.allow, &mut rbac.deny, &mut rbac.audit]
             .into_iter()
             .flatten()
@@ -214,7 +215,7 @@ fn app_filters(p: &InboundPort, tls: bool) -> Vec<Filter> {
         }
     }
     if p.protocol.is_http() {
-        vec![inbound_hcm(p.port, &rbac)]
+        vec![inbound_hcm(p, &rbac, caller)]
     } else {
         let stat = format!("inbound|{}||", p.port);
         let mut filters: Vec<Filter> = network_filters(&rbac, &stat)
@@ -261,8 +262,10 @@ fn tls_principal(p: &mut Principal) {
     }
 }
 
-/// An HTTP port: the RBAC filters (rules per virtual host), then the app.
-fn inbound_hcm(port: u16, rbac: &ServiceRbac) -> Filter {
+/// An HTTP port: the RBAC filters (rules per virtual host), then the app;
+/// every request counted with `reporter="destination"`.
+fn inbound_hcm(p: &InboundPort, rbac: &ServiceRbac, caller: Caller) -> Filter {
+    let port = p.port;
     let mut http_filters: Vec<_> = HTTP_RBAC_FILTERS
         .iter()
         .map(|(name, _)| http_filter(name, &http_base_filter()))
@@ -299,6 +302,7 @@ fn inbound_hcm(port: u16, rbac: &ServiceRbac) -> Filter {
         codec_type: CodecType::Auto as i32,
         route_specifier: Some(RouteSpecifier::RouteConfig(route)),
         http_filters,
+        access_log: telemetry::inbound_logs(p, caller),
         ..Default::default()
     };
     named_filter("envoy.filters.network.http_connection_manager", &hcm)
@@ -317,7 +321,7 @@ fn hbone_inbound(plan: &PodPlan) -> Listener {
             prefix_ranges: ranges.clone(),
             ..Default::default()
         }),
-        filters: app_filters(p, false),
+        filters: app_filters(p, Caller::Hbone),
         ..Default::default()
     };
     let mut chains: Vec<FilterChain> = plan.ports.iter().map(|p| chain(p, Some(p.port))).collect();

@@ -40,6 +40,7 @@ use std::net::IpAddr;
 mod inbound;
 mod outbound;
 mod plan;
+mod telemetry;
 #[cfg(test)]
 mod tests;
 
@@ -136,6 +137,17 @@ pub struct InboundPort {
     pub mode: PeerMode,
     /// The pod's AuthorizationPolicy for this port.
     pub rbac: ServiceRbac,
+    /// The service whose target port this is (the first of the pod's
+    /// services when several are), which the inbound request metrics name.
+    pub service: Option<InboundService>,
+}
+
+/// A service as the inbound request metrics name it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InboundService {
+    pub hostname: String,
+    pub name: String,
+    pub namespace: String,
 }
 
 /// One sidecar pod's inbound side.

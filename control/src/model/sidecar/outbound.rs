@@ -43,6 +43,7 @@ use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
 use envoy_types::pb::envoy::r#type::matcher::v3::{StringMatcher, string_matcher::MatchPattern};
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind as ValueKind};
 
+use super::telemetry::{self, SERVICE_KEYS};
 use super::{
     BLACKHOLE_CLUSTER, NamespacePlan, OUTBOUND_PORT, PASSTHROUGH_CLUSTER, VIRTUAL_OUTBOUND,
 };
@@ -59,8 +60,10 @@ use crate::model::waypoint::listeners::{
 };
 use crate::model::waypoint::policy::{self, ClusterVariant};
 use crate::model::waypoint::routes::{FAULT_FILTER, domains, service_routes};
+use crate::model::waypoint::telemetry::ENDPOINT_METADATA;
 use crate::model::waypoint::{
-    BoundEndpoint, BoundService, CLUSTER_TYPE, LISTENER_TYPE, ROUTE_TYPE, Transport, cluster_name,
+    BoundEndpoint, BoundService, CLUSTER_TYPE, LISTENER_TYPE, Protocol, ROUTE_TYPE, Transport,
+    cluster_name,
 };
 
 /// Endpoint metadata namespace Envoy picks a transport socket match by.
@@ -212,7 +215,7 @@ pub fn endpoints(plan: &NamespacePlan) -> Vec<XdsResource> {
             for v in policy::variants(svc.destination_rule.as_ref(), port.port) {
                 let name = cluster_name(port.port, &v.subset, &svc.hostname);
                 let lb_endpoints = variant_endpoints(svc, port.port, &v)
-                    .map(|(e, target)| lb_endpoint(e, target))
+                    .map(|(e, target)| lb_endpoint(svc, e, target))
                     .collect();
                 out.push(load_assignment(name, lb_endpoints));
             }
@@ -221,8 +224,9 @@ pub fn endpoints(plan: &NamespacePlan) -> Vec<XdsResource> {
     out
 }
 
-/// One endpoint, marked with how it is reached.
-fn lb_endpoint(e: &BoundEndpoint, target: u16) -> LbEndpoint {
+/// One endpoint, marked with how it is reached and with who it is (the
+/// request metrics read it).
+fn lb_endpoint(svc: &BoundService, e: &BoundEndpoint, target: u16) -> LbEndpoint {
     let mode = match e.transport {
         Transport::Hbone => Some(TLS_MODE_HBONE),
         Transport::Mtls => Some(TLS_MODE_MTLS),
@@ -244,20 +248,41 @@ fn lb_endpoint(e: &BoundEndpoint, target: u16) -> LbEndpoint {
             ..Default::default()
         }
     };
+    let md = lb.metadata.get_or_insert_with(Metadata::default);
+    let mut fields: Vec<(String, Struct)> = std::mem::take(&mut md.filter_metadata)
+        .into_iter()
+        .filter(|(k, _)| k != ENDPOINT_METADATA)
+        .collect();
+    fields.push((ENDPOINT_METADATA.to_string(), who(svc, e)));
     if let Some(mode) = mode {
-        let md = lb.metadata.get_or_insert_with(Metadata::default);
-        let mut fields: Vec<(String, Struct)> = std::mem::take(&mut md.filter_metadata)
-            .into_iter()
-            .collect();
         fields.push((
             SOCKET_MATCH.to_string(),
             Struct {
                 fields: stable_map([(TLS_MODE.to_string(), text(mode))]),
             },
         ));
-        md.filter_metadata = stable_map(fields);
     }
+    md.filter_metadata = stable_map(fields);
     lb
+}
+
+/// The workload behind an endpoint and the service it was chosen for.
+fn who(svc: &BoundService, e: &BoundEndpoint) -> Struct {
+    let w = &e.workload;
+    let [service, service_name, service_namespace] = SERVICE_KEYS;
+    let fields = [
+        ("workload", w.name.as_str()),
+        ("namespace", w.namespace.as_str()),
+        ("app", w.app.as_str()),
+        ("version", w.version.as_str()),
+        ("principal", e.identity.as_str()),
+        (service, svc.hostname.as_str()),
+        (service_name, svc.name.as_str()),
+        (service_namespace, svc.namespace.as_str()),
+    ];
+    Struct {
+        fields: stable_map(fields.into_iter().map(|(k, v)| (k.to_string(), text(v)))),
+    }
 }
 
 /// `virtualOutbound` and the HBONE-originating internal listeners.
@@ -284,7 +309,9 @@ pub fn route_config_name(port: u16) -> String {
     port.to_string()
 }
 
-fn outbound_hcm(port: u16) -> Filter {
+/// An HTTP port's connection manager; every request counted with
+/// `reporter="source"`.
+fn outbound_hcm(port: u16, protocol: Protocol) -> Filter {
     let hcm = HttpConnectionManager {
         stat_prefix: format!("outbound_0.0.0.0_{port}"),
         codec_type: CodecType::Auto as i32,
@@ -296,6 +323,7 @@ fn outbound_hcm(port: u16) -> Filter {
             http_filter(FAULT_FILTER, &HttpFault::default()),
             http_filter("envoy.filters.http.router", &Router::default()),
         ],
+        access_log: telemetry::outbound_logs(protocol),
         ..Default::default()
     };
     named_filter("envoy.filters.network.http_connection_manager", &hcm)
@@ -320,7 +348,7 @@ fn virtual_outbound(plan: &NamespacePlan) -> Listener {
                 continue;
             }
             let filter = if port.protocol.is_http() {
-                outbound_hcm(port.port)
+                outbound_hcm(port.port, port.protocol)
             } else {
                 tcp_proxy(&cluster_name(port.port, "", &svc.hostname))
             };

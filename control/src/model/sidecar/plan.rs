@@ -19,7 +19,7 @@ use ambit_config::objects::{
     AuthorizationPolicy, MtlsMode, Pod, ROOT_NAMESPACES, Service, selector_matches,
 };
 
-use super::{InboundPort, NamespacePlan, PeerMode, PodPlan, runs_sidecar};
+use super::{InboundPort, InboundService, NamespacePlan, PeerMode, PodPlan, runs_sidecar};
 use crate::model::ModelOptions;
 use crate::model::index::{Backing, WorkloadDraft, ip_from_bytes};
 use crate::model::peer_authn;
@@ -251,11 +251,12 @@ fn pod_plan(
     };
     let ports = declared
         .into_iter()
-        .map(|(port, protocol)| InboundPort {
+        .map(|(port, (protocol, service))| InboundPort {
             port,
             protocol,
             mode: mode_of(Some(port)),
             rbac: authz::service_rbac(&policies, port, protocol.is_http(), findings),
+            service,
         })
         .collect();
     // Port 0: rules naming ports never match it (those ports are declared).
@@ -264,6 +265,7 @@ fn pod_plan(
         protocol: Protocol::Tcp,
         mode: mode_of(None),
         rbac: authz::service_rbac(&policies, 0, false, findings),
+        service: None,
     };
     Some(PodPlan {
         namespace: ns.to_string(),
@@ -305,16 +307,15 @@ fn declared_ports(
     catalog: &Catalog<'_>,
     keys: &[String],
     policies: &[&AuthorizationPolicy],
-) -> Vec<(u16, Protocol)> {
-    let mut out: BTreeMap<u16, Protocol> = BTreeMap::new();
+) -> Vec<(u16, (Protocol, Option<InboundService>))> {
+    let mut out: BTreeMap<u16, (Protocol, Option<InboundService>)> = BTreeMap::new();
     for (key, port) in &draft.services {
         let Some(k) = keys.get(*key as usize) else {
             continue;
         };
         let host = k.split_once('/').map_or(k.as_str(), |(_, h)| h);
-        let protocol = catalog
-            .services
-            .get(host)
+        let found = catalog.services.get(host);
+        let protocol = found
             .and_then(|(_, svc)| {
                 svc.spec
                     .ports
@@ -324,8 +325,13 @@ fn declared_ports(
             .map_or(Protocol::Tcp, |p| {
                 Protocol::infer(p.app_protocol.as_deref(), &p.name)
             });
+        let service = found.map(|(ns, svc)| InboundService {
+            hostname: host.to_string(),
+            name: svc.metadata.name.clone(),
+            namespace: ns.to_string(),
+        });
         if let Ok(target) = u16::try_from(port.target_port) {
-            out.entry(target).or_insert(protocol);
+            out.entry(target).or_insert((protocol, service));
         }
     }
     for c in pod
@@ -336,7 +342,7 @@ fn declared_ports(
     {
         for p in &c.ports {
             out.entry(p.container_port)
-                .or_insert_with(|| Protocol::infer(None, &p.name));
+                .or_insert_with(|| (Protocol::infer(None, &p.name), None));
         }
     }
     let policy_ports = policies
@@ -345,7 +351,7 @@ fn declared_ports(
         .flat_map(|r| &r.to)
         .flat_map(|t| t.operation.ports.iter().chain(&t.operation.not_ports));
     for p in policy_ports {
-        out.entry(p.0).or_insert(Protocol::Tcp);
+        out.entry(p.0).or_insert((Protocol::Tcp, None));
     }
     out.remove(&0);
     out.into_iter().collect()

@@ -16,6 +16,7 @@ use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{
     TcpProxy, tcp_proxy::ClusterSpecifier as TcpCluster,
 };
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::DownstreamTlsContext;
+use envoy_types::pb::google::protobuf::value::Kind as ValueKind;
 use prost::Message;
 
 use super::*;
@@ -566,4 +567,103 @@ fn egress_hosts_match_istio_forms() {
         "b.shop.svc.cluster.local"
     ));
     assert!(!m("~/*", "legacy", "a.legacy.svc.cluster.local"));
+}
+
+/// The stats access logger's tags of an HCM's request counter, by name.
+fn request_tags(hcm: &HttpConnectionManager) -> std::collections::BTreeMap<String, String> {
+    use envoy_types::pb::envoy::config::accesslog::v3::access_log::ConfigType;
+    use envoy_types::pb::envoy::extensions::access_loggers::stats::v3::Config as StatsLog;
+    let logs: Vec<StatsLog> = hcm
+        .access_log
+        .iter()
+        .filter(|l| l.name == "envoy.access_loggers.stats")
+        .filter_map(|l| match &l.config_type {
+            Some(ConfigType::TypedConfig(a)) => Some(StatsLog::decode(a.value.as_slice()).unwrap()),
+            _ => None,
+        })
+        .collect();
+    for tag in logs.iter().flat_map(|l| {
+        let counters = l.counters.iter().filter_map(|c| c.stat.as_ref());
+        let histograms = l.histograms.iter().filter_map(|h| h.stat.as_ref());
+        counters.chain(histograms).flat_map(|s| &s.tags)
+    }) {
+        assert!(
+            !tag.value_format.is_empty(),
+            "Envoy refuses an empty tag: {tag:?}"
+        );
+    }
+    let counter = logs
+        .iter()
+        .flat_map(|l| &l.counters)
+        .filter_map(|c| c.stat.as_ref())
+        .find(|s| s.name == "requests_total")
+        .expect("requests_total is counted");
+    counter
+        .tags
+        .iter()
+        .map(|t| (t.name.clone(), t.value_format.clone()))
+        .collect()
+}
+
+#[test]
+fn http_chains_count_requests_as_source_and_destination() {
+    let snap = snapshot("");
+    let out: Listener = get(
+        &snap,
+        &namespace_scope("legacy"),
+        waypoint::LISTENER_TYPE,
+        VIRTUAL_OUTBOUND,
+    );
+    let hcm: HttpConnectionManager =
+        typed(chain(&out, "client.legacy.svc.cluster.local:8080"), HCM).unwrap();
+    let tags = request_tags(&hcm);
+    assert_eq!(tags["reporter"], "source");
+    assert_eq!(
+        tags["destination_service"],
+        "%UPSTREAM_METADATA(ambit:service)%"
+    );
+    assert!(
+        !tags.contains_key("source_workload"),
+        "the agent adds the pod's own labels"
+    );
+    // The endpoints carry what those tags read.
+    let cla: ClusterLoadAssignment = get(
+        &snap,
+        &namespace_scope("legacy"),
+        waypoint::ENDPOINT_TYPE,
+        "outbound|8080||client.legacy.svc.cluster.local",
+    );
+    let md = cla.endpoints[0].lb_endpoints[0].metadata.as_ref().unwrap();
+    let who = &md.filter_metadata["ambit"].fields;
+    let text = |k: &str| match &who[k].kind {
+        Some(ValueKind::StringValue(s)) => s.clone(),
+        other => panic!("{k}: {other:?}"),
+    };
+    assert_eq!(text("service"), "client.legacy.svc.cluster.local");
+    assert_eq!(text("service_namespace"), "legacy");
+    assert_eq!(
+        text("principal"),
+        "spiffe://cluster.local/ns/legacy/sa/client"
+    );
+
+    let inbound = inbound(&snap, "legacy", "client-0");
+    let tls = request_tags(&typed(chain(&inbound, "inbound|8080||tls"), HCM).unwrap());
+    assert_eq!(
+        tags_of(&tls),
+        ("destination", "%DOWNSTREAM_PEER_URI_SAN%", "mutual_tls")
+    );
+    assert_eq!(
+        tls["destination_service"],
+        "client.legacy.svc.cluster.local"
+    );
+    let plain = request_tags(&typed(chain(&inbound, "inbound|8080||plaintext"), HCM).unwrap());
+    assert_eq!(tags_of(&plain), ("destination", "-", "none"));
+}
+
+fn tags_of(t: &std::collections::BTreeMap<String, String>) -> (&str, &str, &str) {
+    (
+        t["reporter"].as_str(),
+        t["source_principal"].as_str(),
+        t["connection_security_policy"].as_str(),
+    )
 }

@@ -58,19 +58,44 @@ const MAX_SERIES: u32 = 20_000;
 
 /// The access logs of one HTTP service chain.
 pub fn access_logs(svc: &BoundService, port: &BoundPort) -> Vec<AccessLog> {
-    vec![
-        access_log(
-            "envoy.access_loggers.stats",
-            any(&request_metrics(svc, port)),
-            None,
+    let denials = vec![
+        tag("reporter", "waypoint"),
+        tag(
+            "source_principal",
+            &format!("%FILTER_STATE({PEER_PRINCIPAL}:PLAIN)%"),
         ),
-        access_log(
+        tag("destination_service", &svc.hostname),
+    ];
+    request_logs(istio_tags(svc, port), Some(denials), &svc.hostname)
+}
+
+/// Istio's request metrics tagged `metric_tags`, the denial counter tagged
+/// `denial_tags` (plus `policy`) when given, and the JSON line naming
+/// `destination_service` (a literal or a command operator). Sidecars use
+/// it with their own tags.
+pub(crate) fn request_logs(
+    metric_tags: Vec<Tag>,
+    denial_tags: Option<Vec<Tag>>,
+    destination_service: &str,
+) -> Vec<AccessLog> {
+    let mut out = vec![access_log(
+        "envoy.access_loggers.stats",
+        any(&request_metrics(metric_tags)),
+        None,
+    )];
+    if let Some(tags) = denial_tags {
+        out.push(access_log(
             "envoy.access_loggers.stats",
-            any(&denials(svc)),
+            any(&denials(tags)),
             Some(status_is(403)),
-        ),
-        access_log("envoy.access_loggers.file", any(&json_lines(svc)), None),
-    ]
+        ));
+    }
+    out.push(access_log(
+        "envoy.access_loggers.file",
+        any(&json_lines(destination_service)),
+        None,
+    ));
+    out
 }
 
 fn access_log(
@@ -99,7 +124,7 @@ fn status_is(code: u32) -> AccessLogFilter {
     }
 }
 
-fn tag(name: &str, value_format: &str) -> Tag {
+pub(crate) fn tag(name: &str, value_format: &str) -> Tag {
     Tag {
         name: name.to_string(),
         value_format: value_format.to_string(),
@@ -155,8 +180,7 @@ fn istio_tags(svc: &BoundService, port: &BoundPort) -> Vec<Tag> {
 
 /// `istio_requests_total`, `istio_request_duration_milliseconds`,
 /// `istio_request_bytes`, `istio_response_bytes`.
-fn request_metrics(svc: &BoundService, port: &BoundPort) -> StatsLog {
-    let tags = istio_tags(svc, port);
+fn request_metrics(tags: Vec<Tag>) -> StatsLog {
     let stat = |name: &str| Stat {
         name: name.to_string(),
         tags: tags.clone(),
@@ -188,21 +212,14 @@ fn request_metrics(svc: &BoundService, port: &BoundPort) -> StatsLog {
 
 /// `ambit_requests_denied_total{policy}` for 403s (the agent keeps those an
 /// RBAC filter answered and names the policy).
-fn denials(svc: &BoundService) -> StatsLog {
+fn denials(mut tags: Vec<Tag>) -> StatsLog {
+    tags.insert(1.min(tags.len()), tag("policy", "%RESPONSE_CODE_DETAILS%"));
     StatsLog {
         stats_scope: Some(scope(AMBIT_SCOPE)),
         counters: vec![Counter {
             stat: Some(Stat {
                 name: "requests_denied_total".to_string(),
-                tags: vec![
-                    tag("reporter", "waypoint"),
-                    tag("policy", "%RESPONSE_CODE_DETAILS%"),
-                    tag(
-                        "source_principal",
-                        &format!("%FILTER_STATE({PEER_PRINCIPAL}:PLAIN)%"),
-                    ),
-                    tag("destination_service", &svc.hostname),
-                ],
+                tags,
             }),
             value_fixed: Some(UInt64Value { value: 1 }),
             ..Default::default()
@@ -212,7 +229,7 @@ fn denials(svc: &BoundService) -> StatsLog {
 }
 
 /// One JSON object per request on Envoy's stdout.
-fn json_lines(svc: &BoundService) -> FileAccessLog {
+fn json_lines(destination_service: &str) -> FileAccessLog {
     let fields = [
         ("start_time", "%START_TIME%".to_string()),
         ("method", "%REQ(:METHOD)%".to_string()),
@@ -238,7 +255,7 @@ fn json_lines(svc: &BoundService) -> FileAccessLog {
         ),
         ("upstream_cluster", "%UPSTREAM_CLUSTER%".to_string()),
         ("route_name", "%ROUTE_NAME%".to_string()),
-        ("destination_service", svc.hostname.clone()),
+        ("destination_service", destination_service.to_string()),
         ("source_address", "%DOWNSTREAM_REMOTE_ADDRESS%".to_string()),
         (
             "source_principal",
