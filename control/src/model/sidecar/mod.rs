@@ -21,6 +21,8 @@
 //!                        sidecar pod → mTLS, ALPN istio-peer-exchange/istio,
 //!                                      SNI outbound_.<port>_.<subset>_.<host>
 //!                        outside the mesh → plaintext
+//!                        a waypoint-bound service → connect_originate;<waypoint id>
+//!                          ══HBONE (CONNECT <VIP:port>)══▶ the waypoint
 //!
 //!  peer ──▶ virtualInbound :15006 (original_dst, tls_inspector)
 //!           │ one chain set per pod port: STRICT → mTLS required; PERMISSIVE →
@@ -49,7 +51,8 @@ use ambit_config::objects::Pod;
 use super::snapshot::ResourceFamily;
 use super::waypoint::authz::ServiceRbac;
 use super::waypoint::{
-    BoundService, CLUSTER_TYPE, ENDPOINT_TYPE, Finding, LISTENER_TYPE, Protocol, ROUTE_TYPE,
+    BoundEndpoint, BoundService, CLUSTER_TYPE, ENDPOINT_TYPE, Finding, LISTENER_TYPE, Protocol,
+    ROUTE_TYPE,
 };
 
 pub(crate) use plan::plan;
@@ -111,6 +114,10 @@ pub struct NamespacePlan {
     /// filter chain and virtual host), then services only their rules send
     /// traffic to (clusters only).
     pub services: Vec<BoundService>,
+    /// Services bound to a waypoint (by hostname) and the waypoint's pods:
+    /// their traffic goes to the waypoint over HBONE, asking for the
+    /// service's `VIP:port`, so the waypoint's routes and policies apply.
+    pub waypoints: std::collections::BTreeMap<String, Vec<BoundEndpoint>>,
     /// Unknown destinations pass through (`ALLOW_ANY`, Istio's default);
     /// otherwise they are refused (`REGISTRY_ONLY`).
     pub allow_any: bool,

@@ -6,7 +6,7 @@
 //! HBONE-originating listeners and clusters the waypoint uses.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use envoy_types::pb::envoy::config::cluster::v3::{
     Cluster,
@@ -50,7 +50,8 @@ use super::{
 use crate::model::snapshot::XdsResource;
 use crate::model::waypoint::clusters::{
     CONNECT_TIMEOUT, TUNNEL, internal_upstream, load_assignment, originate, raw_buffer,
-    service_cluster, socket_address as endpoint_address, tunnel_endpoint, variant_endpoints,
+    service_cluster, socket_address as endpoint_address, tunnel_endpoint, tunnel_via,
+    variant_endpoints,
 };
 use crate::model::waypoint::envoy::{
     SECRET_CERTIFICATE, SECRET_ROOTS, ads, any, bool_value, duration, sds, stable_map, u32_value,
@@ -62,8 +63,8 @@ use crate::model::waypoint::policy::{self, ClusterVariant};
 use crate::model::waypoint::routes::{FAULT_FILTER, domains, service_routes};
 use crate::model::waypoint::telemetry::ENDPOINT_METADATA;
 use crate::model::waypoint::{
-    BoundEndpoint, BoundService, CLUSTER_TYPE, LISTENER_TYPE, Protocol, ROUTE_TYPE, Transport,
-    cluster_name,
+    BoundEndpoint, BoundService, CLUSTER_TYPE, HBONE_PORT, LISTENER_TYPE, Protocol, ROUTE_TYPE,
+    Transport, cluster_name,
 };
 
 /// Endpoint metadata namespace Envoy picks a transport socket match by.
@@ -96,13 +97,17 @@ pub fn clusters(plan: &NamespacePlan) -> Vec<XdsResource> {
         .collect()
 }
 
-/// The identities of the ambient endpoints (one HBONE-originating listener
-/// and cluster each).
+/// The identities of the ambient endpoints and of the waypoints (one
+/// HBONE-originating listener and cluster each).
 fn hbone_identities(plan: &NamespacePlan) -> BTreeSet<&str> {
-    plan.services
+    let direct = plan
+        .services
         .iter()
+        .filter(|s| !plan.waypoints.contains_key(&s.hostname))
         .flat_map(|s| &s.endpoints)
-        .filter(|e| e.transport == Transport::Hbone)
+        .filter(|e| e.transport == Transport::Hbone);
+    direct
+        .chain(plan.waypoints.values().flatten())
         .map(|e| e.identity.as_str())
         .collect()
 }
@@ -212,6 +217,15 @@ pub fn endpoints(plan: &NamespacePlan) -> Vec<XdsResource> {
     let mut out = Vec::new();
     for svc in &plan.services {
         for port in &svc.ports {
+            if let Some(waypoint) = plan.waypoints.get(&svc.hostname) {
+                let name = cluster_name(port.port, "", &svc.hostname);
+                let lb_endpoints = waypoint
+                    .iter()
+                    .map(|wp| via_waypoint(svc, wp, port.port))
+                    .collect();
+                out.push(load_assignment(name, lb_endpoints));
+                continue;
+            }
             for v in policy::variants(svc.destination_rule.as_ref(), port.port) {
                 let name = cluster_name(port.port, &v.subset, &svc.hostname);
                 let lb_endpoints = variant_endpoints(svc, port.port, &v)
@@ -248,12 +262,19 @@ fn lb_endpoint(svc: &BoundService, e: &BoundEndpoint, target: u16) -> LbEndpoint
             ..Default::default()
         }
     };
+    mark(&mut lb, who(svc, e), mode);
+    lb
+}
+
+/// Sets who an endpoint is (for the request metrics) and how it is
+/// reached (the transport socket match), keeping its other metadata.
+fn mark(lb: &mut LbEndpoint, who: Struct, mode: Option<&str>) {
     let md = lb.metadata.get_or_insert_with(Metadata::default);
     let mut fields: Vec<(String, Struct)> = std::mem::take(&mut md.filter_metadata)
         .into_iter()
         .filter(|(k, _)| k != ENDPOINT_METADATA)
         .collect();
-    fields.push((ENDPOINT_METADATA.to_string(), who(svc, e)));
+    fields.push((ENDPOINT_METADATA.to_string(), who));
     if let Some(mode) = mode {
         fields.push((
             SOCKET_MATCH.to_string(),
@@ -263,6 +284,19 @@ fn lb_endpoint(svc: &BoundService, e: &BoundEndpoint, target: u16) -> LbEndpoint
         ));
     }
     md.filter_metadata = stable_map(fields);
+}
+
+/// A waypoint pod standing in for a service port: HBONE to the waypoint,
+/// asking for the service's first VIP and the port (what a ztunnel asks a
+/// waypoint for).
+fn via_waypoint(svc: &BoundService, wp: &BoundEndpoint, port: u16) -> LbEndpoint {
+    let vip = svc.vips.first().copied().unwrap_or(wp.ip);
+    let mut lb = tunnel_via(
+        wp,
+        SocketAddr::new(wp.ip, HBONE_PORT),
+        SocketAddr::new(vip, port),
+    );
+    mark(&mut lb, who(svc, wp), Some(TLS_MODE_HBONE));
     lb
 }
 

@@ -21,16 +21,19 @@ use ambit_config::objects::{
 
 use super::{InboundPort, InboundService, NamespacePlan, PeerMode, PodPlan, runs_sidecar};
 use crate::model::ModelOptions;
-use crate::model::index::{Backing, WorkloadDraft, ip_from_bytes};
+use crate::model::index::{
+    Backing, DOMAIN_SUFFIX, WaypointScopes, WaypointTraffic, WorkloadDraft, ip_from_bytes,
+    waypoint_ref, waypoint_scopes, waypoint_serves,
+};
 use crate::model::peer_authn;
 use crate::model::store::Store;
 use crate::model::waypoint::authz;
 use crate::model::waypoint::plan::{
-    Catalog, Reach, bound_service, destination_rules_by_host, route_service, rule_hosts,
+    Catalog, Reach, bound_service, destination_rules_by_host, endpoints, route_service, rule_hosts,
     subset_findings, virtual_services_by_host,
 };
 use crate::model::waypoint::rules::qualify;
-use crate::model::waypoint::{BoundService, Finding, Protocol};
+use crate::model::waypoint::{BoundEndpoint, BoundService, Finding, Protocol};
 
 /// The outbound plan of every namespace with a sidecar pod and the inbound
 /// plan of every sidecar pod, sorted by namespace (and name).
@@ -57,6 +60,7 @@ pub(crate) fn plan(
         opts,
         virtual_services: virtual_services_by_host(store),
         destination_rules: destination_rules_by_host(store),
+        waypoint_scopes: waypoint_scopes(store),
     };
     let namespaces: BTreeSet<&str> = pods
         .iter()
@@ -90,9 +94,31 @@ struct Mesh<'a, 'd> {
     opts: &'a ModelOptions,
     virtual_services: BTreeMap<String, Vec<&'a VirtualService>>,
     destination_rules: BTreeMap<String, Vec<&'a DestinationRule>>,
+    waypoint_scopes: WaypointScopes,
 }
 
 impl Mesh<'_, '_> {
+    /// The pods of the waypoint serving service `svc` of `ns`
+    /// (`istio.io/use-waypoint` on it or its namespace, naming a waypoint
+    /// Gateway that takes service traffic); `None` when it has none. A
+    /// waypoint without ready pods is an empty list: the service's traffic
+    /// then fails rather than skipping the waypoint's policy.
+    fn waypoint_of(&self, ns: &str, svc: &Service) -> Option<Vec<BoundEndpoint>> {
+        let w = waypoint_ref(ns, self.store.namespace_labels(ns), &svc.metadata.labels)?;
+        let scope = self.waypoint_scopes.get(&w)?;
+        if !waypoint_serves(*scope, WaypointTraffic::Service) {
+            return None;
+        }
+        let host = format!("{}.{}.svc.{DOMAIN_SUFFIX}", w.name, w.namespace);
+        Some(
+            self.catalog
+                .members
+                .get(&host)
+                .map(|m| endpoints(self.drafts, m, self.opts, Reach::Hbone))
+                .unwrap_or_default(),
+        )
+    }
+
     /// The service `host` of `ns` as the sidecars see it: every endpoint,
     /// with its transport, and the DestinationRule's subsets and policy.
     fn service(&self, host: &str, ns: &str, svc: &Service) -> BoundService {
@@ -114,12 +140,24 @@ fn namespace_plan(mesh: &Mesh<'_, '_>, ns: &str) -> NamespacePlan {
     let mut findings = Vec::new();
     let sidecar = egress_config(mesh.store, ns, &mut findings);
     let mut services: Vec<BoundService> = Vec::new();
+    let mut waypoints = BTreeMap::new();
     for (host, (svc_ns, svc)) in &mesh.catalog.services {
         if !visible(sidecar, ns, svc_ns, host) {
             continue;
         }
         let mut bound = mesh.service(host, svc_ns, svc);
         bound.bound = true;
+        if let Some(via) = mesh
+            .waypoint_of(svc_ns, svc)
+            .filter(|_| !bound.vips.is_empty())
+        {
+            // The waypoint routes and authorizes: the sidecar sends it
+            // everything for the service (no subsets of its own).
+            bound.destination_rule = None;
+            waypoints.insert(host.clone(), via);
+            services.push(bound);
+            continue;
+        }
         route_service(
             &mut bound,
             mesh.store,
@@ -148,6 +186,7 @@ fn namespace_plan(mesh: &Mesh<'_, '_>, ns: &str) -> NamespacePlan {
     NamespacePlan {
         namespace: ns.to_string(),
         services,
+        waypoints,
         allow_any,
         findings,
     }

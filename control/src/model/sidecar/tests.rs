@@ -33,10 +33,24 @@ fn fixture(name: &str) -> String {
     .unwrap()
 }
 
+/// The waypoint and sidecar fixtures plus `extra`, with the `shop`
+/// namespace's services not bound to its waypoint: the sidecars route them
+/// themselves (what these tests are about).
 fn snapshot(extra: &str) -> Snapshot {
+    build(
+        &fixture("waypoint/base.yaml").replace("    istio.io/use-waypoint: waypoint\n", ""),
+        extra,
+    )
+}
+
+/// The same with `shop`'s services bound to its waypoint.
+fn snapshot_with_waypoint(extra: &str) -> Snapshot {
+    build(&fixture("waypoint/base.yaml"), extra)
+}
+
+fn build(waypoint_base: &str, extra: &str) -> Snapshot {
     let text = format!(
-        "{}\n---\n{}\n---\n{extra}",
-        fixture("waypoint/base.yaml"),
+        "{waypoint_base}\n---\n{}\n---\n{extra}",
         fixture("sidecar/base.yaml")
     );
     let (objects, errors) = ambit_config::parse_documents(Path::new("t.yaml"), &text);
@@ -167,14 +181,16 @@ fn routes_equal_the_waypoints_for_every_corpus_shape() {
     shapes.sort();
     let mut compared = 0;
     for path in shapes {
-        let snap = snapshot(&std::fs::read_to_string(&path).unwrap());
+        let shape = std::fs::read_to_string(&path).unwrap();
+        let bound = snapshot_with_waypoint(&shape);
+        let snap = snapshot(&shape);
         let wp = waypoint::scope("shop", "waypoint");
         let ns = namespace_scope("shop");
-        for name in names(&snap, &wp, waypoint::ROUTE_TYPE) {
+        for name in names(&bound, &wp, waypoint::ROUTE_TYPE) {
             let Some((host, port)) = name.rsplit_once(':') else {
                 continue;
             };
-            let theirs: RouteConfiguration = get(&snap, &wp, waypoint::ROUTE_TYPE, &name);
+            let theirs: RouteConfiguration = get(&bound, &wp, waypoint::ROUTE_TYPE, &name);
             let ours: RouteConfiguration = get(&snap, &ns, waypoint::ROUTE_TYPE, port);
             let vh = ours
                 .virtual_hosts
@@ -666,4 +682,98 @@ fn tags_of(t: &std::collections::BTreeMap<String, String>) -> (&str, &str, &str)
         t["source_principal"].as_str(),
         t["connection_security_policy"].as_str(),
     )
+}
+
+/// A sidecar sends a waypoint-bound service's traffic to the waypoint over
+/// HBONE, asking for the service's VIP:port, and leaves routing to it; with
+/// no waypoint pod the service has no endpoints (never the pods directly,
+/// which would skip the waypoint's policy).
+#[test]
+fn a_waypoint_bound_service_goes_through_its_waypoint() {
+    const WAYPOINT_POD: &str = "
+apiVersion: v1
+kind: Pod
+metadata:
+  name: waypoint-0
+  namespace: shop
+  labels: {gateway.networking.k8s.io/gateway-name: waypoint, istio.io/dataplane-mode: none}
+spec: {nodeName: node-1, serviceAccountName: waypoint}
+status: {podIP: 10.10.1.50}
+";
+    let snap = snapshot_with_waypoint(&format!(
+        "{WAYPOINT_POD}\n---\n{}",
+        fixture("waypoint/corpus/01-canary-80-20.yaml")
+    ));
+    let ns = namespace_scope("shop");
+    let cla: ClusterLoadAssignment = get(
+        &snap,
+        &ns,
+        waypoint::ENDPOINT_TYPE,
+        "outbound|80||llm.shop.svc.cluster.local",
+    );
+    let eps = &cla.endpoints[0].lb_endpoints;
+    assert_eq!(eps.len(), 1, "one waypoint pod: {eps:?}");
+    let Some(lb_endpoint::HostIdentifier::Endpoint(e)) = &eps[0].host_identifier else {
+        panic!("no endpoint")
+    };
+    let internal = format!("{:?}", e.address);
+    assert!(
+        internal.contains("connect_originate;spiffe://cluster.local/ns/shop/sa/waypoint"),
+        "{internal}"
+    );
+    let tunnel = &eps[0].metadata.as_ref().unwrap().filter_metadata["tunnel"].fields;
+    let text = |k: &str| match &tunnel[k].kind {
+        Some(ValueKind::StringValue(s)) => s.clone(),
+        other => panic!("{k}: {other:?}"),
+    };
+    assert_eq!(
+        text("destination"),
+        "10.96.0.20:80",
+        "CONNECT asks for the VIP"
+    );
+    assert_eq!(
+        text("address"),
+        "10.10.1.50:15008",
+        "dialled at the waypoint"
+    );
+    assert_eq!(tls_mode(&eps[0]).as_deref(), Some("hbone"));
+    // No subset clusters, one plain route: the waypoint splits.
+    let clusters = names(&snap, &ns, waypoint::CLUSTER_TYPE);
+    assert!(
+        !clusters
+            .iter()
+            .any(|c| c.starts_with("outbound|80|v1|llm.")),
+        "{clusters:?}"
+    );
+    assert!(
+        clusters
+            .contains(&"connect_originate;spiffe://cluster.local/ns/shop/sa/waypoint".to_string())
+    );
+    let rc: RouteConfiguration = get(&snap, &ns, waypoint::ROUTE_TYPE, "80");
+    let vh = rc
+        .virtual_hosts
+        .iter()
+        .find(|v| v.name == format!("{LLM}:80"))
+        .unwrap();
+    let Some(route::Action::Route(action)) = &vh.routes[0].action else {
+        panic!("not a route")
+    };
+    assert_eq!(
+        action.cluster_specifier,
+        Some(route_action::ClusterSpecifier::Cluster(
+            "outbound|80||llm.shop.svc.cluster.local".into()
+        ))
+    );
+    // Without a waypoint pod: no endpoints at all.
+    let snap = snapshot_with_waypoint("");
+    let cla: ClusterLoadAssignment = get(
+        &snap,
+        &ns,
+        waypoint::ENDPOINT_TYPE,
+        "outbound|80||llm.shop.svc.cluster.local",
+    );
+    assert!(
+        cla.endpoints.iter().all(|l| l.lb_endpoints.is_empty()),
+        "{cla:?}"
+    );
 }

@@ -49,10 +49,13 @@ use super::{
 };
 use crate::model::snapshot::XdsResource;
 
-/// Metadata namespace carrying an endpoint's real address.
+/// Metadata namespace carrying where a tunnel goes.
 pub(crate) const TUNNEL: &str = "tunnel";
-/// ... and its key.
+/// ... its keys: the CONNECT authority (the endpoint's real `ip:port`) and
+/// the peer dialled on its HBONE port (the endpoint itself, or the
+/// waypoint in front of a service).
 const DESTINATION: &str = "destination";
+const ADDRESS: &str = "address";
 /// Connect timeout of the HBONE hop to an endpoint's ztunnel.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Typed protocol options key of upstream HTTP options.
@@ -211,14 +214,29 @@ fn internal_address(listener: String, endpoint_id: String) -> Address {
 /// of its identity, with its real `ip:port` as `tunnel` metadata and who it
 /// is as [`telemetry::ENDPOINT_METADATA`] (read by the request metrics).
 pub(crate) fn tunnel_endpoint(e: &BoundEndpoint, port: u16) -> LbEndpoint {
-    let destination = std::net::SocketAddr::new(e.ip, port).to_string();
+    let destination = std::net::SocketAddr::new(e.ip, port);
+    tunnel_via(e, destination, destination)
+}
+
+/// An endpoint reached through `peer`'s CONNECT-originating listener: the
+/// tunnel is dialled to `peer`'s address (on its HBONE port) and asks for
+/// `authority`. A sidecar sends a waypoint-bound service's traffic to the
+/// waypoint this way, asking for the service's `VIP:port`.
+pub(crate) fn tunnel_via(
+    peer: &BoundEndpoint,
+    dial: std::net::SocketAddr,
+    authority: std::net::SocketAddr,
+) -> LbEndpoint {
     let text = |v: &str| Value {
         kind: Some(ValueKind::StringValue(v.to_string())),
     };
     let tunnel = Struct {
-        fields: stable_map([(DESTINATION.to_string(), text(&destination))]),
+        fields: stable_map([
+            (DESTINATION.to_string(), text(&authority.to_string())),
+            (ADDRESS.to_string(), text(&dial.to_string())),
+        ]),
     };
-    let w = &e.workload;
+    let w = &peer.workload;
     let who = Struct {
         fields: stable_map(
             [
@@ -226,7 +244,7 @@ pub(crate) fn tunnel_endpoint(e: &BoundEndpoint, port: u16) -> LbEndpoint {
                 ("namespace", w.namespace.as_str()),
                 ("app", w.app.as_str()),
                 ("version", w.version.as_str()),
-                ("principal", e.identity.as_str()),
+                ("principal", peer.identity.as_str()),
             ]
             .into_iter()
             .map(|(k, v)| (k.to_string(), text(v))),
@@ -234,7 +252,16 @@ pub(crate) fn tunnel_endpoint(e: &BoundEndpoint, port: u16) -> LbEndpoint {
     };
     LbEndpoint {
         host_identifier: Some(HostIdentifier::Endpoint(Endpoint {
-            address: Some(internal_address(originate_name(&e.identity), destination)),
+            // Unique per peer and authority: several waypoint pods behind
+            // one service VIP are several hosts.
+            address: Some(internal_address(
+                originate_name(&peer.identity),
+                if dial == authority {
+                    authority.to_string()
+                } else {
+                    format!("{authority}@{dial}")
+                },
+            )),
             ..Default::default()
         })),
         metadata: Some(Metadata {
@@ -244,7 +271,7 @@ pub(crate) fn tunnel_endpoint(e: &BoundEndpoint, port: u16) -> LbEndpoint {
             ]),
             ..Default::default()
         }),
-        health_status: if e.healthy {
+        health_status: if peer.healthy {
             HealthStatus::Healthy
         } else {
             HealthStatus::Unhealthy
@@ -321,7 +348,7 @@ pub(crate) fn originate(identity: &str) -> Cluster {
             metadata_key: Some(MetadataKey {
                 key: TUNNEL.to_string(),
                 path: vec![PathSegment {
-                    segment: Some(Segment::Key(DESTINATION.to_string())),
+                    segment: Some(Segment::Key(ADDRESS.to_string())),
                 }],
             }),
             upstream_port_override: Some(u32_value(HBONE_PORT.into())),
