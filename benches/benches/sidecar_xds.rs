@@ -111,11 +111,20 @@ fn build(text: &str) -> (Snapshot, Duration) {
 }
 
 /// (resources, bytes) per type one sidecar of the sidecar namespace is served.
-fn served(snap: &Snapshot, pod: usize) -> Vec<(&'static str, usize, usize)> {
+fn served(snap: &Snapshot, pod: usize, sa: &str) -> Vec<(&'static str, usize, usize)> {
+    use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+    let claim = Value {
+        kind: Some(Kind::StringValue(sa.to_string())),
+    };
     let proxy = ProxyNode::from_node(Some(&Node {
         id: format!(
             "sidecar~10.100.0.{pod}~pod-{pod}.ns-{SIDECAR_NS}~ns-{SIDECAR_NS}.svc.cluster.local"
         ),
+        metadata: Some(Struct {
+            fields: [("SERVICE_ACCOUNT".to_string(), claim)]
+                .into_iter()
+                .collect(),
+        }),
         ..Default::default()
     }));
     [
@@ -156,7 +165,9 @@ fn main() {
         ("no scoping (Sidecar egress */*)", mesh.clone() + NO_SCOPING),
     ] {
         let (snap, t) = build(&text);
-        let per_type = served(&snap, sidecar_pod);
+        // The first pod of the sidecar namespace runs as its first app's account.
+        let sa = format!("sa-{}", SIDECAR_NS * (services / NAMESPACES));
+        let per_type = served(&snap, sidecar_pod, &sa);
         let (n, bytes): (usize, usize) = per_type
             .iter()
             .fold((0, 0), |a, (_, n, b)| (a.0 + n, a.1 + b));

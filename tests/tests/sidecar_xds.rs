@@ -100,6 +100,7 @@ async fn bed(snapshots: watch::Receiver<Arc<Snapshot>>) -> Bed {
     );
     bootstrap["node"]["cluster"] = Value::from("legacy.shop");
     bootstrap["node"]["metadata"]["LABELS"] = serde_json::json!({"app": "legacy"});
+    bootstrap["node"]["metadata"]["SERVICE_ACCOUNT"] = Value::from("legacy");
     let envoy = Envoy::start(&bootstrap, Some(&pod.netns)).unwrap();
     Bed {
         _cluster: cluster,

@@ -1,7 +1,9 @@
 //! The sidecar generator: upstream Envoy's CDS, EDS, LDS and RDS (in that
 //! ADS order) for a sidecar pod — the outbound set its namespace's sidecars
 //! share (`sidecar/<namespace>`, the namespace the proxy was authorized
-//! for) merged with its own inbound set (`sidecar/<namespace>/<pod>`).
+//! for) merged with its own inbound set (`sidecar/<namespace>/<pod>/<sa>`,
+//! served only for the service account the proxy was authorized as: a
+//! proxy cannot read another service account's pod by naming it).
 
 use super::{Generator, Served, TypeSpec};
 use crate::model::sidecar::{namespace_scope, pod_scope};
@@ -22,13 +24,17 @@ impl Generator for SidecarGenerator {
     }
 
     fn generate(&self, proxy: &ProxyNode, snap: &Snapshot, type_url: &str) -> Served {
-        if proxy.namespace.is_empty() || proxy.pod_name.is_empty() {
-            // A sidecar that names no pod is served nothing (it waits, and
+        if proxy.namespace.is_empty()
+            || proxy.pod_name.is_empty()
+            || proxy.service_account.is_empty()
+        {
+            // A sidecar that names no pod, or no service account for its
+            // credentials to prove, is served nothing (it waits, and
             // `/debug/connections` shows it).
             return Served::empty();
         }
         let shared = namespace_scope(&proxy.namespace);
-        let own = pod_scope(&proxy.namespace, &proxy.pod_name);
+        let own = pod_scope(&proxy.namespace, &proxy.pod_name, &proxy.service_account);
         Served::merge(vec![
             Served::from_snapshot(snap, &shared, type_url),
             Served::from_snapshot(snap, &own, type_url),
@@ -66,9 +72,22 @@ mod tests {
         )
     }
 
-    fn proxy(id: &str) -> ProxyNode {
+    /// A sidecar node claiming service account `sa` (`""`: none).
+    fn proxy(id: &str, sa: &str) -> ProxyNode {
+        use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+        let metadata = (!sa.is_empty()).then(|| Struct {
+            fields: [(
+                "SERVICE_ACCOUNT".to_string(),
+                Value {
+                    kind: Some(Kind::StringValue(sa.to_string())),
+                },
+            )]
+            .into_iter()
+            .collect(),
+        });
         ProxyNode::from_node(Some(&Node {
             id: id.into(),
+            metadata,
             ..Default::default()
         }))
     }
@@ -82,7 +101,10 @@ mod tests {
     #[test]
     fn a_sidecar_gets_its_namespace_and_its_own_pod_merged() {
         let snap = snapshot("", &Snapshot::default());
-        let p = proxy("sidecar~10.10.2.10~client-0.legacy~legacy.svc.cluster.local");
+        let p = proxy(
+            "sidecar~10.10.2.10~client-0.legacy~legacy.svc.cluster.local",
+            "client",
+        );
         assert_eq!(p.kind, ProxyKind::Sidecar);
         let g = SidecarGenerator;
         let lds = g.generate(&p, &snap, LISTENER_TYPE);
@@ -106,10 +128,26 @@ mod tests {
         let shared = Served::from_snapshot(&snap, &namespace_scope("legacy"), ENDPOINT_TYPE);
         assert!(Arc::ptr_eq(&eds.set, &shared.set));
         // Another pod of the namespace shares the outbound set, not the inbound one.
-        let other = proxy("sidecar~10.10.2.99~ghost-0.legacy~legacy.svc.cluster.local");
+        let other = proxy(
+            "sidecar~10.10.2.99~ghost-0.legacy~legacy.svc.cluster.local",
+            "client",
+        );
         let got = names(&g.generate(&other, &snap, LISTENER_TYPE));
         assert!(got.contains(&"virtualOutbound".to_string()));
         assert!(!got.contains(&"virtualInbound".to_string()), "{got:?}");
+        // Naming a pod of another service account does not read its
+        // inbound side; claiming no service account reads nothing.
+        let impostor = proxy(
+            "sidecar~10.10.2.98~client-0.legacy~legacy.svc.cluster.local",
+            "db",
+        );
+        let got = names(&g.generate(&impostor, &snap, LISTENER_TYPE));
+        assert!(!got.contains(&"virtualInbound".to_string()), "{got:?}");
+        let anonymous = proxy(
+            "sidecar~10.10.2.10~client-0.legacy~legacy.svc.cluster.local",
+            "",
+        );
+        assert!(names(&g.generate(&anonymous, &snap, LISTENER_TYPE)).is_empty());
     }
 
     fn part(names: &[&str], changed: &[&str], removed: Option<&[&str]>) -> Served {
@@ -176,7 +214,10 @@ spec:
 ",
             &first,
         );
-        let p = proxy("sidecar~10.10.2.10~client-0.legacy~legacy.svc.cluster.local");
+        let p = proxy(
+            "sidecar~10.10.2.10~client-0.legacy~legacy.svc.cluster.local",
+            "client",
+        );
         let lds = SidecarGenerator.generate(&p, &second, LISTENER_TYPE);
         let delta = lds.delta.expect("both scopes have deltas");
         assert_eq!(

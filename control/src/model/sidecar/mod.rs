@@ -101,9 +101,12 @@ pub fn namespace_scope(namespace: &str) -> String {
     format!("sidecar/{namespace}")
 }
 
-/// The scope of one sidecar pod's inbound resources.
-pub fn pod_scope(namespace: &str, pod: &str) -> String {
-    format!("sidecar/{namespace}/{pod}")
+/// The scope of one sidecar pod's inbound resources. The pod's service
+/// account is part of it: a proxy is served a pod's inbound side (its
+/// policies, its ports) only when its credentials are that service
+/// account's (the xDS server checks the `SERVICE_ACCOUNT` a node claims).
+pub fn pod_scope(namespace: &str, pod: &str, service_account: &str) -> String {
+    format!("sidecar/{namespace}/{pod}/{service_account}")
 }
 
 /// What the sidecars of one namespace may reach.
@@ -162,6 +165,7 @@ pub struct InboundService {
 pub struct PodPlan {
     pub namespace: String,
     pub name: String,
+    pub service_account: String,
     pub ips: Vec<IpAddr>,
     /// Declared ports (containers, services' target ports, policy ports).
     pub ports: Vec<InboundPort>,
@@ -189,7 +193,7 @@ pub fn namespace_families(plan: &NamespacePlan) -> Vec<ResourceFamily> {
 /// present, empty ones too, so the generator can tell "nothing" from
 /// "gone").
 pub fn pod_families(plan: &PodPlan, trust_domain: &str) -> Vec<ResourceFamily> {
-    let scope = pod_scope(&plan.namespace, &plan.name);
+    let scope = pod_scope(&plan.namespace, &plan.name, &plan.service_account);
     let family = |type_url, resources| ResourceFamily {
         scope: scope.clone(),
         type_url,

@@ -309,6 +309,7 @@ fn pod_plan(
     Some(PodPlan {
         namespace: ns.to_string(),
         name: pod.metadata.name.clone(),
+        service_account: draft.w.service_account.clone(),
         ips,
         ports,
         other_ports,

@@ -326,10 +326,16 @@ fn endpoints_are_reached_over_hbone_mtls_or_plaintext() {
     ));
 }
 
+/// A fixture pod's inbound scope (its service account is its app's name).
+fn own_scope(ns: &str, pod: &str) -> String {
+    let sa = pod.split('-').next().unwrap_or(pod);
+    pod_scope(ns, pod, sa)
+}
+
 fn inbound(snap: &Snapshot, ns: &str, pod: &str) -> Listener {
     get(
         snap,
-        &pod_scope(ns, pod),
+        &own_scope(ns, pod),
         waypoint::LISTENER_TYPE,
         VIRTUAL_INBOUND,
     )
@@ -351,7 +357,7 @@ fn inbound_chains_follow_the_peer_authentication_mode() {
     );
     let listeners = names(
         &snap,
-        &pod_scope("legacy", "client-0"),
+        &own_scope("legacy", "client-0"),
         waypoint::LISTENER_TYPE,
     );
     assert_eq!(
@@ -360,7 +366,7 @@ fn inbound_chains_follow_the_peer_authentication_mode() {
     );
     let clusters = names(
         &snap,
-        &pod_scope("legacy", "client-0"),
+        &own_scope("legacy", "client-0"),
         waypoint::CLUSTER_TYPE,
     );
     assert!(clusters.contains(&INBOUND_PASSTHROUGH_CLUSTER.to_string()));
@@ -425,7 +431,7 @@ spec:
     // Over HBONE it is the tunnel's (the waypoint's filter state).
     let hbone: Listener = get(
         &snap,
-        &pod_scope("legacy", "client-0"),
+        &own_scope("legacy", "client-0"),
         waypoint::LISTENER_TYPE,
         "main_internal",
     );
@@ -459,15 +465,15 @@ fn sidecars_see_their_namespace_and_the_root_by_default() {
     // Inbound sets only for sidecar pods (a container named istio-proxy
     // counts), outbound only for namespaces with one.
     assert!(
-        snap.set(&pod_scope("legacy", "client-0"), waypoint::LISTENER_TYPE)
+        snap.set(&own_scope("legacy", "client-0"), waypoint::LISTENER_TYPE)
             .is_some()
     );
     assert!(
-        snap.set(&pod_scope("legacy", "db-0"), waypoint::LISTENER_TYPE)
+        snap.set(&own_scope("legacy", "db-0"), waypoint::LISTENER_TYPE)
             .is_none()
     );
     assert!(
-        snap.set(&pod_scope("shop", "llm-v1-0"), waypoint::LISTENER_TYPE)
+        snap.set(&own_scope("shop", "llm-v1-0"), waypoint::LISTENER_TYPE)
             .is_none()
     );
     assert!(
@@ -491,7 +497,7 @@ status: {podIP: 10.10.1.5}
 ",
     );
     assert!(
-        snap.set(&pod_scope("shop", "waypoint-0"), waypoint::LISTENER_TYPE)
+        snap.set(&own_scope("shop", "waypoint-0"), waypoint::LISTENER_TYPE)
             .is_none()
     );
 }
