@@ -1,6 +1,6 @@
 //! Waypoint benchmark (issues 15 and 16): keep-alive GETs with a 1 KiB
 //! response over HTTP/1.1 and over h2c (HTTP/2 prior knowledge), all in one
-//! run on one bed, on four paths to the same server pod:
+//! run on one bed, on six paths to the same server app:
 //!
 //! 1. **no mesh**: a plain client pod to a plain server pod's IP;
 //! 2. **L4 mesh**: client → ztunnel ══HBONE══▶ ztunnel → server (service
@@ -9,7 +9,11 @@
 //!    request telemetry off, no L7 policy);
 //! 4. **waypoint, full**: through waypoint `wp-full` (an ALLOW
 //!    AuthorizationPolicy with method and path rules, Istio request metrics
-//!    and the JSON access log on).
+//!    and the JSON access log on);
+//! 5. **sidecar → ambient**: a sidecar pod's Envoy (its outbound routes,
+//!    request metrics) ══HBONE══▶ ztunnel → the server (service `direct`);
+//! 6. **sidecar → sidecar**: sidecar Envoy ══mTLS══▶ the server's sidecar
+//!    Envoy (inbound chain, metrics) → its app (service `sc`).
 //!
 //! Each path and protocol runs closed loop (`CONNS` requesters back to
 //! back: the path's ceiling) and open loop at each of `RATES` requests a
@@ -99,40 +103,52 @@ impl Settings {
     }
 }
 
-/// One of the four paths.
+/// One of the paths.
 struct Path {
     label: &'static str,
     from: &'static str,
     /// The service VIP, or `None` for the plain server's pod IP.
     vip: Option<Ipv4Addr>,
-    /// The waypoint pod whose Envoy and agent are metered.
-    waypoint: Option<&'static str>,
+    /// The proxy pods (waypoint, sidecars) whose Envoy and agent are metered.
+    metered: &'static [&'static str],
 }
 
-const PATHS: [Path; 4] = [
+const PATHS: [Path; 6] = [
     Path {
         label: "no mesh",
         from: "plain-client",
         vip: None,
-        waypoint: None,
+        metered: &[],
     },
     Path {
         label: "L4 mesh (ztunnel only)",
         from: "client",
         vip: Some(Ipv4Addr::new(10, 96, 0, 30)),
-        waypoint: None,
+        metered: &[],
     },
     Path {
         label: "waypoint, bare",
         from: "client",
         vip: Some(Ipv4Addr::new(10, 96, 0, 32)),
-        waypoint: Some("wp-bare-0"),
+        metered: &["wp-bare-0"],
     },
     Path {
         label: "waypoint, full",
         from: "client",
         vip: Some(Ipv4Addr::new(10, 96, 0, 31)),
-        waypoint: Some("wp-full-0"),
+        metered: &["wp-full-0"],
+    },
+    Path {
+        label: "sidecar → ambient",
+        from: "sc-client",
+        vip: Some(Ipv4Addr::new(10, 96, 0, 30)),
+        metered: &["sc-client"],
+    },
+    Path {
+        label: "sidecar → sidecar",
+        from: "sc-client",
+        vip: Some(Ipv4Addr::new(10, 96, 0, 33)),
+        metered: &["sc-client", "sc-server"],
     },
 ];
 
@@ -156,7 +172,7 @@ impl Path {
     }
 
     fn meter(&self, bed: &MeshBed) -> Meter {
-        Meter::new(self.waypoint.map(|w| bed.pod(w).path()))
+        Meter::new(self.metered.iter().map(|p| bed.pod(p).path()).collect())
     }
 }
 
@@ -168,6 +184,8 @@ fn pods() -> Vec<PodSpec> {
         PodSpec::waypoint("wp-bare-0", NS, 1, "wp-bare"),
         PodSpec::mesh("server", NS, 1, "server"),
         PodSpec::plain("plain-server", NS, 1, "plain-server"),
+        PodSpec::sidecar("sc-client", NS, 0, "sc-client"),
+        PodSpec::sidecar("sc-server", NS, 1, "sc-server"),
     ]
 }
 
@@ -188,10 +206,11 @@ spec:
 "
         ));
     }
-    for (name, ip, waypoint) in [
-        ("direct", "10.96.0.30", None),
-        ("full", "10.96.0.31", Some("wp-full")),
-        ("bare", "10.96.0.32", Some("wp-bare")),
+    for (name, ip, waypoint, app) in [
+        ("direct", "10.96.0.30", None, "server"),
+        ("full", "10.96.0.31", Some("wp-full"), "server"),
+        ("bare", "10.96.0.32", Some("wp-bare"), "server"),
+        ("sc", "10.96.0.33", None, "sc-server"),
     ] {
         let labels = waypoint
             .map(|w| format!("  labels: {{istio.io/use-waypoint: {w}}}\n"))
@@ -204,7 +223,7 @@ metadata:
   namespace: {NS}
 {labels}spec:
   clusterIP: {ip}
-  selector: {{app: server}}
+  selector: {{app: {app}}}
   ports:
   - {{name: http-api, port: {HTTP_PORT}, targetPort: {APP_PORT}}}
   - {{name: http2-api, port: {H2_PORT}, appProtocol: http2, targetPort: {APP_PORT}}}
@@ -245,10 +264,15 @@ async fn bench() -> Result<()> {
     bed.start(&yaml()).await?;
     let server = HttpApp::start(bed.pod("server"), APP_PORT, "server")?;
     let plain = HttpApp::start(bed.pod("plain-server"), APP_PORT, "plain-server")?;
-    server.set(Behavior::Sized(BODY));
-    plain.set(Behavior::Sized(BODY));
+    let sidecar_server = HttpApp::start(bed.pod("sc-server"), APP_PORT, "sc-server")?;
+    for app in [&server, &plain, &sidecar_server] {
+        app.set(Behavior::Sized(BODY));
+    }
     for wp in ["wp-full-0", "wp-bare-0"] {
         bed.start_waypoint(wp).await?;
+    }
+    for sc in ["sc-client", "sc-server"] {
+        bed.start_sidecar(sc).await?;
     }
     for path in &PATHS {
         for &proto in &settings.protos {

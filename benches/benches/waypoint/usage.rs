@@ -1,4 +1,4 @@
-//! CPU time and RSS of a waypoint pod's Envoy and agent, read from /proc:
+//! CPU time and RSS of proxy pods' Envoy and agent, read from /proc:
 //! every process in the pod's network namespace with that command name.
 //! CPU is the sum of the threads' run time (`/proc/<pid>/task/*/schedstat`,
 //! nanoseconds), so short runs at low rates are not lost in 10 ms ticks.
@@ -6,9 +6,10 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-/// Meters the waypoint pod in `netns`, or nothing (paths without one).
+/// Meters the proxy pods (waypoints, sidecars) in `netns`, summed; nothing
+/// for paths without one.
 pub struct Meter {
-    netns: Option<PathBuf>,
+    netns: Vec<PathBuf>,
 }
 
 /// One reading.
@@ -46,15 +47,26 @@ impl Usage {
 }
 
 impl Meter {
-    pub fn new(netns: Option<PathBuf>) -> Meter {
+    pub fn new(netns: Vec<PathBuf>) -> Meter {
         Meter { netns }
     }
 
     pub fn sample(&self) -> Option<Sample> {
-        let ns = self.netns.as_deref()?;
+        if self.netns.is_empty() {
+            return None;
+        }
+        let sum = |comm: &str| {
+            self.netns
+                .iter()
+                .map(|ns| read(ns, comm))
+                .fold(Proc::default(), |a, b| Proc {
+                    cpu_ns: a.cpu_ns + b.cpu_ns,
+                    rss_kib: a.rss_kib + b.rss_kib,
+                })
+        };
         Some(Sample {
-            envoy: read(ns, "envoy"),
-            agent: read(ns, "ambit-agent"),
+            envoy: sum("envoy"),
+            agent: sum("ambit-agent"),
         })
     }
 
