@@ -277,6 +277,23 @@ pub fn install_with(netns: &Path, ports: &RedirectPorts, programs: &Programs) ->
     Ok(())
 }
 
+/// Installs a sidecar pod's capture (`ambit_inpod::sidecar_capture`: its
+/// app's TCP to the pod's Envoy on 15001/15006) for both families in
+/// `netns`, in node-agent redirection mode: the node agent does what the
+/// `istio-init` init container would, so the pod needs no NET_ADMIN.
+/// Idempotent. The pod is not enrolled: its Envoy, not ztunnel, is its proxy.
+pub fn install_sidecar(
+    netns: &Path,
+    ports: &ambit_inpod::sidecar_capture::SidecarPorts,
+) -> Result<()> {
+    let ns = &Ns::open(netns)?;
+    let programs = Programs::default();
+    for f in families() {
+        family::install_sidecar(ns, f, ports, &programs)?;
+    }
+    Ok(())
+}
+
 /// Removes every trace of the redirection of both families from `netns`:
 /// the jumps, Ambit's chains, the ip rules and the routes. Succeeds when
 /// nothing is installed. A family that fails does not stop the other from

@@ -90,6 +90,8 @@ pub struct CniPod {
     pub container_id: String,
     /// The chain's ADD result, passed back on DEL as runtimes do.
     pub result: Value,
+    /// Annotations written with the pod ([`EnrollBed::annotate`]).
+    pub annotations: std::collections::BTreeMap<String, String>,
 }
 
 struct Node {
@@ -297,17 +299,29 @@ impl EnrollBed {
             let _ = write!(
                 y,
                 "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {}\n  namespace: {}\n  uid: {}\n  \
-                 labels: {{app: {}}}\nspec:\n  nodeName: {}\n  serviceAccountName: {}\nstatus:\n  podIP: {}\n---\n",
+                 labels: {{app: {}}}\n  annotations: {}\nspec:\n  nodeName: {}\n  serviceAccountName: {}\nstatus:\n  podIP: {}\n---\n",
                 p.net.name,
                 p.namespace,
                 p.uid,
                 p.net.name,
+                serde_json::to_string(&p.annotations).unwrap_or_else(|_| "{}".into()),
                 node_name(p.net.node),
                 p.service_account,
                 p.net.ip
             );
         }
         crate::write_atomic(&self.config.path().join("pods.yaml"), &y)
+    }
+
+    /// Sets annotation `key` of pod `name` (the agents see it once they
+    /// re-read the config directory).
+    pub fn annotate(&mut self, name: &str, key: &str, value: &str) -> Result<()> {
+        let pod = self
+            .pods
+            .get_mut(name)
+            .with_context(|| format!("no pod {name} in the bed"))?;
+        pod.annotations.insert(key.to_string(), value.to_string());
+        self.write_pods()
     }
 
     /// Sets whether namespace `ns` is ambient.
@@ -395,6 +409,7 @@ impl EnrollBed {
             uid: format!("uid-{name}-{:08x}", rand::random::<u32>()),
             container_id: format!("{:032x}", rand::random::<u128>()),
             result: Value::Null,
+            annotations: Default::default(),
         };
         let list = self.conflist(node);
         let plugins = list["plugins"].as_array().cloned().unwrap_or_default();

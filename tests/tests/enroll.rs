@@ -441,3 +441,70 @@ async fn a_pod_ztunnel_cannot_serve_is_reported_and_retried_until_served() {
     assert_eq!(echo(&bed, "client", server.net.addr(8080), &msg).await, msg);
     bed.shutdown().await;
 }
+
+/// Node-agent redirection for sidecars: a pod injected without `istio-init`
+/// (its status annotation lists no such init container) gets its sidecar
+/// capture from the node agent once the agent knows it, in both families;
+/// a pod injected with `istio-init` captures itself and is left alone; an
+/// ambient pod stays ztunnel's whatever its annotations say.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_agent_captures_sidecar_pods_injected_without_istio_init() {
+    if !can_run("the_node_agent_captures_sidecar_pods_injected_without_istio_init") {
+        return;
+    }
+    const STATUS: &str = "sidecar.istio.io/status";
+    let mut bed = EnrollBed::start(1, &[("legacy", false), ("ai", true)])
+        .await
+        .unwrap();
+    let cni_mode = bed
+        .add_pod(0, "cni-mode", "legacy", "legacy")
+        .await
+        .unwrap();
+    let init_mode = bed
+        .add_pod(0, "init-mode", "legacy", "legacy")
+        .await
+        .unwrap();
+    let ambient = bed.add_pod(0, "ambient", "ai", "client").await.unwrap();
+    let nat = |pod: &ambit_tests::enrollbed::CniPod, program: &str| {
+        netbed::netns_exec(&pod.net.netns, &[program, "-t", "nat"]).unwrap_or_default()
+    };
+    assert!(!nat(&cni_mode, "iptables-save").contains("AMBIT_SIDECAR_OUT"));
+    let status = |inits: &str| {
+        format!(r#"{{"containers":["istio-proxy"],"initContainers":[{inits}],"volumes":[]}}"#)
+    };
+    bed.annotate("cni-mode", STATUS, &status("")).unwrap();
+    bed.annotate("init-mode", STATUS, &status(r#""istio-init""#))
+        .unwrap();
+    bed.annotate("ambient", STATUS, &status("")).unwrap();
+    let jump = "-A OUTPUT -p tcp -j AMBIT_SIDECAR_OUT";
+    eventually(
+        "the node agent to capture the sidecar pod in both families",
+        || async {
+            nat(&cni_mode, "iptables-save").contains(jump)
+                && nat(&cni_mode, "ip6tables-save").contains(jump)
+        },
+    )
+    .await;
+    let v4 = nat(&cni_mode, "iptables-save");
+    assert!(v4.contains("-j REDIRECT --to-ports 15001"), "{v4}");
+    assert!(v4.contains("--uid-owner 1337"), "{v4}");
+    let v6 = nat(&cni_mode, "ip6tables-save");
+    assert!(
+        v6.contains("-A OUTPUT -p tcp -j AMBIT_SIDECAR_OUT"),
+        "IPv6 too: {v6}"
+    );
+    assert!(
+        !nat(&init_mode, "iptables-save").contains("AMBIT_SIDECAR"),
+        "a pod with istio-init captures itself"
+    );
+    assert!(!nat(&ambient, "iptables-save").contains("AMBIT_SIDECAR"));
+    assert!(
+        enrolled(&bed, 0, "ambient").await,
+        "the ambient pod stays ztunnel's"
+    );
+    assert!(
+        !enrolled(&bed, 0, "cni-mode").await,
+        "a sidecar pod is not ztunnel's"
+    );
+    bed.shutdown().await;
+}

@@ -42,6 +42,9 @@ pub struct PodRecord {
     /// connected ztunnel refused it (no listeners): the agent retries.
     #[serde(default = "served_default")]
     pub served: bool,
+    /// A sidecar pod's capture is installed (node-agent redirection).
+    #[serde(default)]
+    pub sidecar_captured: bool,
 }
 
 fn served_default() -> bool {
@@ -68,6 +71,16 @@ async fn install_redirect(netns: &Path, ports: RedirectPorts) -> Result<(), Stri
     let netns = netns.to_path_buf();
     blocking("installing the redirection", move || {
         redirect::install(&netns, &ports)
+    })
+    .await
+}
+
+/// A sidecar pod's capture (node-agent redirection): what `istio-init`
+/// would install, so the pod needs no NET_ADMIN.
+async fn install_sidecar_capture(netns: &Path) -> Result<(), String> {
+    let netns = netns.to_path_buf();
+    blocking("installing the sidecar capture", move || {
+        redirect::install_sidecar(&netns, &Default::default())
     })
     .await
 }
@@ -319,6 +332,7 @@ impl AgentTask {
             ips: req.ips.clone(),
             enrolled: false,
             served: true,
+            sidecar_captured: false,
         };
         let uid = key.uid();
         match req.command {
@@ -343,6 +357,17 @@ impl AgentTask {
                         );
                     }
                     rec.enrolled = true;
+                } else if self.view.sidecar_capture(&rec.pod.namespace, &rec.pod.name) {
+                    if let Err(e) = install_sidecar_capture(&rec.netns).await {
+                        return Reply::error(
+                            format!(
+                                "cannot install the sidecar capture of pod {}/{}: {e}",
+                                rec.pod.namespace, rec.pod.name
+                            ),
+                            true,
+                        );
+                    }
+                    rec.sidecar_captured = true;
                 }
                 self.table.pods.insert(uid, rec);
                 self.table.save();
@@ -401,6 +426,21 @@ impl AgentTask {
                 continue;
             };
             let want = self.view.enrolled(&rec.pod.namespace, &rec.pod.name);
+            if !rec.sidecar_captured && self.view.sidecar_capture(&rec.pod.namespace, &rec.pod.name)
+            {
+                // The view learnt the pod after its ADD: capture it now.
+                match install_sidecar_capture(&rec.netns).await {
+                    Ok(()) => {
+                        if let Some(r) = self.table.pods.get_mut(&uid) {
+                            r.sidecar_captured = true;
+                        }
+                        changed = true;
+                    }
+                    Err(e) => {
+                        tracing::warn!(uid, error = %e, "cannot install a sidecar pod's capture; will retry on the next change")
+                    }
+                }
+            }
             if want == rec.enrolled {
                 continue;
             }

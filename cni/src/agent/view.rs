@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use ambit_config::objects::{Kind, Labels, Object};
-use ambit_config::{Change, ConfigDir, config_files, is_enrolled};
+use ambit_config::{Change, ConfigDir, config_files, is_enrolled, wants_sidecar_capture};
 use tokio::sync::watch;
 
 /// One pod as the view knows it.
@@ -32,6 +32,9 @@ pub struct PodInfo {
     /// `status.phase` is `Running`: its sandbox and netns exist, so the
     /// agent may enroll it without a CNI ADD (Kubernetes mode).
     pub running: bool,
+    /// An injected sidecar pod whose capture the node agent installs
+    /// ([`ambit_config::wants_sidecar_capture`]).
+    pub sidecar_capture: bool,
 }
 
 /// Namespace and pod labels, immutable once published.
@@ -78,9 +81,12 @@ impl MeshView {
                     if ips.is_empty() {
                         ips.extend(p.status.pod_ip);
                     }
+                    let sidecar_capture =
+                        wants_sidecar_capture(&p.metadata.labels, &p.metadata.annotations);
                     self.pods.insert(
                         (p.metadata.namespace, p.metadata.name),
                         PodInfo {
+                            sidecar_capture,
                             labels: p.metadata.labels,
                             service_account: sa,
                             uid: p.metadata.uid,
@@ -114,6 +120,16 @@ impl MeshView {
             .get(&(namespace.to_string(), name.to_string()))
             .map_or(&empty, |p| &p.labels);
         is_enrolled(ns, pod)
+    }
+
+    /// Whether pod `namespace/name` is a sidecar pod whose capture the node
+    /// agent installs (never one the mesh enrolls: ambient wins).
+    pub fn sidecar_capture(&self, namespace: &str, name: &str) -> bool {
+        !self.enrolled(namespace, name)
+            && self
+                .pods
+                .get(&(namespace.to_string(), name.to_string()))
+                .is_some_and(|p| p.sidecar_capture)
     }
 
     /// The pod's service account (`default` when unknown).

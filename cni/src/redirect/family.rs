@@ -3,6 +3,8 @@
 //! policy rule and the `local` route, and installing, removing and checking
 //! one family in a pod namespace.
 
+use ambit_inpod::sidecar_capture::SidecarPorts;
+
 use super::{
     CHAINS, DELIVERY_MARK, MARK_MASK, Ns, PROBE_SOURCE, PROBE_SOURCE_V6, ROUTE_TABLE,
     RULE_PRIORITY, RedirectError, RedirectPorts, Result, TABLES, ZTUNNEL_MARK, chain_exists,
@@ -236,6 +238,24 @@ impl Fam<'_> {
             &table,
         ])
     }
+}
+
+/// Installs (or rewrites) a sidecar pod's capture for one family; see
+/// [`super::install_sidecar`].
+pub(super) fn install_sidecar(
+    ns: &Ns,
+    f: Family,
+    ports: &SidecarPorts,
+    p: &Programs,
+) -> Result<()> {
+    use ambit_inpod::sidecar_capture::{IpFamily, jumps_present, nat_rules};
+    let fam = Fam { ns, f, p };
+    let family = match f {
+        Family::V4 => IpFamily::V4,
+        Family::V6 => IpFamily::V6,
+    };
+    let saved = fam.save()?;
+    fam.restore(&nat_rules(ports, family, !jumps_present(&saved)))
 }
 
 /// Installs (or repairs) one family; see [`super::install`].

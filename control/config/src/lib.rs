@@ -41,5 +41,5 @@ pub use decode::{
     DecodeError, DecodeFailure, decode_json, decode_json_value, decode_yaml_document,
 };
 pub use dir::{ConfigDir, DirUpdate, config_files, parse_documents};
-pub use enroll::is_enrolled;
+pub use enroll::{is_enrolled, wants_sidecar_capture};
 pub use objects::{Kind, Object, ObjectKey};

@@ -20,6 +20,8 @@
 //! * [`netns`]: [`PodNetns`], [`NetnsSockets`], [`SocketOptions`]: the node
 //!   agent runs its redirection commands in a pod's netns with them, and
 //!   ztunnel makes its listeners and connections there.
+//! * [`sidecar_capture`]: a sidecar pod's nat rules, installed by the
+//!   injected init container (`ambit-agent redirect`) or by the node agent.
 //!
 //! Depends on `ambit-proto` and generic crates only, never on ztunnel, the
 //! node agent or the control plane. No `unsafe`: a received fd is adopted
@@ -27,6 +29,7 @@
 #![forbid(unsafe_code)]
 
 pub mod netns;
+pub mod sidecar_capture;
 pub mod zds;
 
 #[cfg(test)]

@@ -1,18 +1,8 @@
 //! `ambit-agent redirect`: the sidecar's traffic capture, programmed once by
 //! the injected init container (`istio-init`) inside the pod's network
 //! namespace, for IPv4 and IPv6 alike (nat table, `iptables-restore` and
-//! `ip6tables-restore`):
-//!
-//! ```text
-//! PREROUTING -> AMBIT_SIDECAR_IN        proxy ports (15008, 15020, 15021): RETURN
-//!                                       other TCP -> AMBIT_SIDECAR_IN_REDIR -> REDIRECT :15006
-//! OUTPUT     -> AMBIT_SIDECAR_OUT       from 127.0.0.6 / ::6 over lo (Envoy's inbound
-//!                                       passthrough): RETURN
-//!                                       Envoy (uid) over lo to the pod's own address:
-//!                                       -> AMBIT_SIDECAR_IN_REDIR (inbound chains apply)
-//!                                       the app over lo, Envoy's uid or gid, loopback: RETURN
-//!                                       other TCP -> AMBIT_SIDECAR_OUT_REDIR -> REDIRECT :15001
-//! ```
+//! `ip6tables-restore`). The rules are `ambit_inpod::sidecar_capture`'s
+//! (the node agent installs the same ones in node-agent redirection mode).
 //!
 //! Running it again changes nothing: the chains are rewritten and the jumps
 //! from PREROUTING/OUTPUT are added only when missing. It runs before any
@@ -23,16 +13,12 @@ use std::io::{Read, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use ambit_inpod::sidecar_capture::{IpFamily, SidecarPorts, jumps_present, nat_rules};
 use clap::Parser;
 
 /// Longest any iptables command may take (it waits up to 5 s for the
 /// xtables lock itself).
 pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(10);
-
-const IN: &str = "AMBIT_SIDECAR_IN";
-const IN_REDIR: &str = "AMBIT_SIDECAR_IN_REDIR";
-const OUT: &str = "AMBIT_SIDECAR_OUT";
-const OUT_REDIR: &str = "AMBIT_SIDECAR_OUT_REDIR";
 
 /// Flags of `ambit-agent redirect`.
 #[derive(Debug, Clone, Parser)]
@@ -76,97 +62,42 @@ pub enum RedirectError {
     Timeout { command: String },
 }
 
-/// One address family's programs and addresses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Family {
-    V4,
-    V6,
-}
-
-impl Family {
-    fn save(self) -> &'static str {
-        match self {
-            Family::V4 => "iptables-save",
-            Family::V6 => "ip6tables-save",
-        }
-    }
-
-    fn restore(self) -> &'static str {
-        match self {
-            Family::V4 => "iptables-restore",
-            Family::V6 => "ip6tables-restore",
-        }
-    }
-
-    fn loopback(self) -> &'static str {
-        match self {
-            Family::V4 => "127.0.0.1/32",
-            Family::V6 => "::1/128",
-        }
-    }
-
-    /// The source Envoy binds for inbound passthrough connections.
-    fn passthrough_source(self) -> &'static str {
-        match self {
-            Family::V4 => "127.0.0.6/32",
-            Family::V6 => "::6/128",
+impl RedirectArgs {
+    fn ports(&self) -> SidecarPorts {
+        SidecarPorts {
+            proxy_uid: self.proxy_uid,
+            outbound_port: self.outbound_port,
+            inbound_port: self.inbound_port,
+            exclude_inbound_ports: self.exclude_inbound_ports.clone(),
         }
     }
 }
 
-/// The nat table rules for `family`, as `iptables-restore --noflush` input.
-/// `with_jumps` adds the jumps from PREROUTING and OUTPUT.
-pub fn rules(args: &RedirectArgs, family: Family, with_jumps: bool) -> String {
-    let uid = args.proxy_uid;
-    let lo = family.loopback();
-    let mut r = String::from("*nat\n");
-    for chain in [IN, IN_REDIR, OUT, OUT_REDIR] {
-        r += &format!(":{chain} - [0:0]\n");
+/// `(iptables-save, iptables-restore)` of a family.
+fn programs(family: IpFamily) -> (&'static str, &'static str) {
+    match family {
+        IpFamily::V4 => ("iptables-save", "iptables-restore"),
+        IpFamily::V6 => ("ip6tables-save", "ip6tables-restore"),
     }
-    if with_jumps {
-        r += &format!("-A PREROUTING -p tcp -j {IN}\n-A OUTPUT -p tcp -j {OUT}\n");
-    }
-    for port in &args.exclude_inbound_ports {
-        r += &format!("-A {IN} -p tcp --dport {port} -j RETURN\n");
-    }
-    r += &format!("-A {IN} -p tcp -j {IN_REDIR}\n");
-    r += &format!(
-        "-A {IN_REDIR} -p tcp -j REDIRECT --to-ports {}\n",
-        args.inbound_port
-    );
-    let src = family.passthrough_source();
-    r += &format!("-A {OUT} -s {src} -o lo -j RETURN\n");
-    r += &format!("-A {OUT} ! -d {lo} -o lo -m owner --uid-owner {uid} -j {IN_REDIR}\n");
-    r += &format!("-A {OUT} -o lo -m owner ! --uid-owner {uid} -j RETURN\n");
-    r += &format!("-A {OUT} -m owner --uid-owner {uid} -j RETURN\n");
-    r += &format!("-A {OUT} -m owner --gid-owner {uid} -j RETURN\n");
-    r += &format!("-A {OUT} -d {lo} -j RETURN\n");
-    r += &format!("-A {OUT} -p tcp -j {OUT_REDIR}\n");
-    r += &format!(
-        "-A {OUT_REDIR} -p tcp -j REDIRECT --to-ports {}\n",
-        args.outbound_port
-    );
-    r += "COMMIT\n";
-    r
 }
 
 /// Installs the capture for both families (IPv6 only where the kernel has
 /// it), or prints it with `--dry-run`.
 pub fn run(args: &RedirectArgs) -> Result<(), RedirectError> {
-    let mut families = vec![Family::V4];
+    let mut families = vec![IpFamily::V4];
     if std::path::Path::new("/proc/sys/net/ipv6").exists() {
-        families.push(Family::V6);
+        families.push(IpFamily::V6);
     }
+    let ports = args.ports();
     for family in families {
+        let (save, restore) = programs(family);
         if args.dry_run {
-            println!("# {}\n{}", family.restore(), rules(args, family, true));
+            println!("# {restore}\n{}", nat_rules(&ports, family, true));
             continue;
         }
-        let saved = command(family.save(), &["-t", "nat"], None)?;
-        let jumps_present = saved.contains(&format!("-A PREROUTING -p tcp -j {IN}"))
-            && saved.contains(&format!("-A OUTPUT -p tcp -j {OUT}"));
-        let input = rules(args, family, !jumps_present);
-        command(family.restore(), &["--noflush", "-w", "5"], Some(&input))?;
+        let saved = command(save, &["-t", "nat"], None)?;
+        let input = nat_rules(&ports, family, !jumps_present(&saved));
+        command(restore, &["--noflush", "-w", "5"], Some(&input))?;
     }
     Ok(())
 }
@@ -241,15 +172,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rules_exempt_the_proxy_and_its_ports_in_both_families() {
-        let args = RedirectArgs::parse_from(["redirect"]);
-        let v4 = rules(&args, Family::V4, true);
-        assert!(v4.contains("-A AMBIT_SIDECAR_IN -p tcp --dport 15021 -j RETURN"));
-        assert!(v4.contains("-A AMBIT_SIDECAR_OUT -m owner --uid-owner 1337 -j RETURN"));
-        assert!(v4.contains("REDIRECT --to-ports 15001"));
-        assert!(v4.contains("-A AMBIT_SIDECAR_OUT -s 127.0.0.6/32 -o lo -j RETURN"));
-        let v6 = rules(&args, Family::V6, false);
-        assert!(v6.contains("-A AMBIT_SIDECAR_OUT -s ::6/128 -o lo -j RETURN"));
-        assert!(!v6.contains("-A PREROUTING"), "jumps only when asked");
+    fn the_flags_become_the_capture_ports() {
+        let args = RedirectArgs::parse_from(["redirect", "--exclude-inbound-ports", "15008,9000"]);
+        let ports = args.ports();
+        assert_eq!(ports.exclude_inbound_ports, vec![15008, 9000]);
+        assert_eq!(
+            (ports.proxy_uid, ports.outbound_port, ports.inbound_port),
+            (1337, 15001, 15006)
+        );
     }
 }
