@@ -108,6 +108,24 @@ metadata:
   labels: {sidecar.istio.io/inject: \"true\"}
 spec: {nodeName: node-a}
 status: {podIP: 10.20.1.31}
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: injected
+  namespace: legacy
+  annotations: {sidecar.istio.io/status: \"{}\"}
+spec: {nodeName: node-a}
+status: {podIP: 10.20.1.32}
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: injected
+  namespace: mesh
+  annotations: {sidecar.istio.io/status: \"{}\"}
+spec: {nodeName: node-b}
+status: {podIP: 10.20.2.32}
 ";
     let p = plan_documents(
         Path::new("/cfg"),
@@ -121,6 +139,9 @@ status: {podIP: 10.20.1.31}
     assert!(get("plain/asks").sidecar);
     assert!(!get("mesh/asks").sidecar && get("mesh/asks").ambient);
     assert!(!get("legacy/optout").sidecar);
+    // Injected already: its sidecar runs, unless the pod is ambient.
+    assert!(get("legacy/injected").sidecar);
+    assert!(!get("mesh/injected").sidecar && get("mesh/injected").ambient);
     assert!(!get("mesh/server").sidecar && !get("plain/outsider").sidecar);
 }
 

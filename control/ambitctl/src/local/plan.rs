@@ -222,7 +222,8 @@ pub fn plan_documents(dir: &Path, files: &[(PathBuf, String)]) -> Result<Plan, L
             uid: m.uid.clone(),
             service_account: p.service_account().to_string(),
             ambient: is_enrolled(ns_labels, &m.labels),
-            sidecar: wants_sidecar(&p, ns_labels),
+            // An ambient pod stays ambient, even one injected already.
+            sidecar: !is_enrolled(ns_labels, &m.labels) && wants_sidecar(&p, ns_labels),
             labels: m.labels.clone(),
             app,
             file,
