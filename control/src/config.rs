@@ -126,6 +126,9 @@ pub struct ControlConfig {
     /// (repeat the flag; `EXTRA_CONFIG_DIRS` takes a `:`-separated list).
     /// Local mode passes the directory where `ambitctl` writes the Pods it
     /// starts for waypoint Gateways, so the user's directory stays theirs.
+    /// An object there overrides the object of the same kind, namespace and
+    /// name in `--config-dir` (local mode writes the injected version of a
+    /// pod that asks for a sidecar there).
     #[arg(
         long = "extra-config-dir",
         env = "EXTRA_CONFIG_DIRS",

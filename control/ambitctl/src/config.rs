@@ -6,7 +6,7 @@
 pub(crate) use ambit_config::dir::split_documents;
 pub(crate) use ambit_config::is_enrolled;
 pub(crate) use ambit_config::limits::MAX_FILE_BYTES;
-pub(crate) use ambit_config::objects::{LABEL_DATAPLANE_MODE, Labels, Object};
+pub(crate) use ambit_config::objects::{LABEL_DATAPLANE_MODE, Labels, Object, Pod};
 pub(crate) use ambit_config::{
     ConfigDir, DecodeError, DecodeFailure, config_files, decode_json_value, decode_yaml_document,
     parse_documents,

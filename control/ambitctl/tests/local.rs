@@ -182,6 +182,14 @@ fn the_shipped_demo_plans() {
     let p = local::plan_dir(&dir).unwrap();
     assert!(p.nodes.len() >= 2, "{p:?}");
     assert!(p.pods.iter().any(|p| p.ambient) && p.pods.iter().any(|p| !p.ambient));
+    // billing/billing-0 asks for a sidecar (its namespace); no other pod does.
+    let sidecars: Vec<String> = p
+        .pods
+        .iter()
+        .filter(|p| p.sidecar)
+        .map(|p| p.key())
+        .collect();
+    assert_eq!(sidecars, ["billing/billing-0"]);
 }
 
 #[test]

@@ -26,6 +26,7 @@ mod assemble;
 mod authz;
 mod encode;
 mod index;
+mod overlay;
 pub mod peer_authn;
 pub mod sidecar;
 pub mod snapshot;
@@ -49,6 +50,7 @@ pub use assemble::{Translated, build_snapshot, translate};
 // What ztunnel cannot enforce of an AuthorizationPolicy, for the writer's
 // warning and for `ambitctl analyze`.
 pub use authz::{l7_fields, l7_warning, unsupported_warning};
+pub use overlay::OVERLAY_SOURCE;
 pub use snapshot::{
     MESH_SCOPE, ResourceDelta, ResourceFamily, ResourceSet, Snapshot, TypedSet, XdsResource,
 };
@@ -144,9 +146,19 @@ struct Applied {
     synced: bool,
 }
 
-fn apply_update(store: &mut Store, synced: &mut bool, u: SourceUpdate, acc: &mut Applied) {
+/// Applies one update; `overlay` decides which changes reach the store.
+fn apply_update(
+    store: &mut Store,
+    overlay: &mut overlay::Overlay,
+    synced: &mut bool,
+    u: SourceUpdate,
+    acc: &mut Applied,
+) {
     debug!(source = %u.source, changes = u.changes.len(), error_scopes = u.errors.len(), initial_sync_done = u.initial_sync_done, "model update");
     for c in u.changes {
+        let Some(c) = overlay.filter(store, &u.source, c) else {
+            continue;
+        };
         // Said once per accepted new version of a policy, whichever source
         // sent it: what ztunnel will not enforce as written.
         let warning = match &c {
@@ -174,6 +186,7 @@ async fn run_writer(
     snap_tx: watch::Sender<Arc<Snapshot>>,
 ) {
     let mut store = Store::default();
+    let mut overlay = overlay::Overlay::default();
     let mut synced = false;
     let mut current: Arc<Snapshot> = snap_tx.borrow().clone();
     let opts = Arc::new(opts);
@@ -183,12 +196,12 @@ async fn run_writer(
         };
         let started = Instant::now();
         let mut acc = Applied::default();
-        apply_update(&mut store, &mut synced, first, &mut acc);
+        apply_update(&mut store, &mut overlay, &mut synced, first, &mut acc);
         let mut closed = false;
         loop {
             let deadline = (Instant::now() + opts.debounce_quiet).min(started + opts.debounce_max);
             match tokio::time::timeout_at(deadline, rx.recv()).await {
-                Ok(Some(u)) => apply_update(&mut store, &mut synced, u, &mut acc),
+                Ok(Some(u)) => apply_update(&mut store, &mut overlay, &mut synced, u, &mut acc),
                 Ok(None) => {
                     closed = true;
                     break;

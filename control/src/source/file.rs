@@ -33,6 +33,7 @@ use tracing::{debug, error, info, warn};
 use crate::model::{ModelHandle, SourceUpdate};
 
 use super::FILE_SOURCE;
+use crate::model::OVERLAY_SOURCE;
 
 /// Quiet time after the last event of a closed (or renamed, removed) file
 /// before it is read: the writer is done, this only coalesces an editor's
@@ -115,7 +116,9 @@ pub async fn spawn_file_source(
 /// [`spawn_file_source`] for a directory beside the main one
 /// (`--extra-config-dir`): its initial update does not say
 /// `initial_sync_done`, so the model counts as synced only once the main
-/// directory (loaded after the extra ones) has been sent.
+/// directory (loaded after the extra ones) has been sent. Its updates are
+/// an overlay ([`crate::model::OVERLAY_SOURCE`]): an object it serves wins
+/// over the main directory's object of the same kind, namespace and name.
 pub async fn spawn_extra_file_source(
     dir: PathBuf,
     model: ModelHandle,
@@ -164,7 +167,7 @@ async fn spawn(
     })
     .await
     .map_err(|e| FileSourceError::Load(dir.clone(), e.to_string()))?;
-    let mut update = source_update(loaded);
+    let mut update = source_update(loaded, marks_sync);
     update.errors.retain(|(_, errs)| !errs.is_empty());
     update.initial_sync_done = marks_sync;
     info!(
@@ -178,7 +181,7 @@ async fn spawn(
         .send(update)
         .await
         .map_err(|_| FileSourceError::ModelClosed(dir.clone()))?;
-    let task = tokio::spawn(watch_loop(reader, ev_rx, model));
+    let task = tokio::spawn(watch_loop(reader, ev_rx, model, marks_sync));
     Ok(FileSource {
         dir,
         _watcher: watcher,
@@ -288,9 +291,9 @@ impl PendingEvents {
 }
 
 /// The model's update for what the reader returned.
-fn source_update(u: DirUpdate) -> SourceUpdate {
+fn source_update(u: DirUpdate, main: bool) -> SourceUpdate {
     SourceUpdate {
-        source: FILE_SOURCE.to_string(),
+        source: if main { FILE_SOURCE } else { OVERLAY_SOURCE }.to_string(),
         changes: u.changes,
         errors: u.errors,
         initial_sync_done: false,
@@ -301,6 +304,7 @@ async fn watch_loop(
     mut reader: ConfigDir,
     mut events: mpsc::UnboundedReceiver<notify::Result<Event>>,
     model: ModelHandle,
+    main: bool,
 ) {
     let mut pending = PendingEvents::default();
     loop {
@@ -338,7 +342,7 @@ async fn watch_loop(
         if update.is_empty() {
             continue;
         }
-        let update = source_update(update);
+        let update = source_update(update, main);
         debug!(
             changes = update.changes.len(),
             files = update.errors.len(),

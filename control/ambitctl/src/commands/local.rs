@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use ambitctl::local::{self, ControllerOptions, DownOptions, LocalCluster, UpOptions};
+use ambitctl::local::{
+    self, ControllerOptions, DownOptions, LocalCluster, RelayOptions, UpOptions,
+};
 use anyhow::{Context, Result};
 use clap::Subcommand;
 
@@ -95,6 +97,23 @@ pub enum LocalCmd {
         #[arg(long, default_value_t = 30)]
         timeout_secs: u64,
     },
+    /// Relays a sidecar pod's connections to the control plane: listens on
+    /// 127.0.0.1:PORT inside the pod's netns, dials TO from the host's
+    /// (`local up` starts one per sidecar pod in the background).
+    #[command(hide = true)]
+    Relay {
+        #[command(flatten)]
+        which: Which,
+        /// The pod's network namespace.
+        #[arg(long)]
+        netns: String,
+        /// The port on the pod's loopback.
+        #[arg(long)]
+        listen_port: u16,
+        /// The control plane's address on the host.
+        #[arg(long)]
+        to: std::net::SocketAddr,
+    },
 }
 
 /// Runs one `local` command; the exit code is the command's own for `exec`.
@@ -167,6 +186,24 @@ pub fn run(cmd: LocalCmd) -> Result<ExitCode> {
                     .context("resolving the state directory")?,
                 poll: Duration::from_millis(200),
                 timeout: Duration::from_secs(timeout_secs),
+            })?;
+            Ok(ExitCode::SUCCESS)
+        }
+        LocalCmd::Relay {
+            which,
+            netns,
+            listen_port,
+            to,
+        } => {
+            let state_dir = which
+                .state_dir
+                .unwrap_or_else(|| local::default_state_dir(&which.name));
+            local::run_relay(&RelayOptions {
+                state_dir: std::path::absolute(&state_dir)
+                    .context("resolving the state directory")?,
+                netns,
+                listen_port,
+                to,
             })?;
             Ok(ExitCode::SUCCESS)
         }

@@ -34,11 +34,13 @@ pub enum LocalError {
         bin_dir: PathBuf,
     },
 
+    /// `needs`: what in the config needs Envoy ("declares waypoint
+    /// Gateways (...)", "has sidecar pods (...)").
     #[error(
-        "the config declares waypoint Gateways ({gateways}) and no Envoy was found (ENVOY_BIN, or `envoy` on PATH); {}",
+        "the config {needs} and no Envoy was found (ENVOY_BIN, or `envoy` on PATH); {}",
         super::waypoints::ENVOY_HINT
     )]
-    MissingEnvoy { gateways: String },
+    MissingEnvoy { needs: String },
 
     #[error("bad cluster name {name:?}: {why}")]
     BadName { name: String, why: String },

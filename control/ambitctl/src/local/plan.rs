@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use super::LocalError;
+use super::sidecars::wants_sidecar;
 use super::waypoints::{GatewayKey, wanted};
 use crate::config::{Labels, Object, is_enrolled, parse_documents};
 
@@ -55,6 +56,11 @@ pub struct PodPlan {
     pub service_account: String,
     /// Whether the labels put it in the mesh (what the node agent decides).
     pub ambient: bool,
+    /// Whether it runs a sidecar: it asks for injection (and is not
+    /// ambient), or has one already (see `sidecars`).
+    pub sidecar: bool,
+    /// Its labels.
+    pub labels: Labels,
     /// `ambit-demo` arguments from [`APP_ANNOTATION`].
     pub app: Option<Vec<String>>,
     /// The file it was read from.
@@ -78,6 +84,8 @@ pub struct Plan {
     /// Waypoint Gateways local mode runs a pod for (the waypoint
     /// controller starts them; see `waypoints`).
     pub waypoints: Vec<GatewayKey>,
+    /// The labels of each Namespace of the config.
+    pub namespace_labels: BTreeMap<String, Labels>,
 }
 
 impl Plan {
@@ -214,6 +222,9 @@ pub fn plan_documents(dir: &Path, files: &[(PathBuf, String)]) -> Result<Plan, L
             uid: m.uid.clone(),
             service_account: p.service_account().to_string(),
             ambient: is_enrolled(ns_labels, &m.labels),
+            // An ambient pod stays ambient, even one injected already.
+            sidecar: !is_enrolled(ns_labels, &m.labels) && wants_sidecar(&p, ns_labels),
+            labels: m.labels.clone(),
             app,
             file,
         });
@@ -287,6 +298,7 @@ pub fn plan_documents(dir: &Path, files: &[(PathBuf, String)]) -> Result<Plan, L
         nodes,
         pods,
         waypoints,
+        namespace_labels: namespaces,
     })
 }
 

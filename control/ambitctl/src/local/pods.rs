@@ -14,11 +14,15 @@ impl LocalCluster {
     /// is not changed: remove the pod there too if the mesh should forget it.
     pub fn delete_pod(&mut self, key: &str) -> Result<(), LocalError> {
         let pod = self.pod(key)?.clone();
-        if let Some(app) = self.state.process(Role::App, Some(key))
-            && process::is_alive(app.pid)
-            && process::belongs_to(app.pid, &self.state.state_dir)
-        {
-            process::stop_all(&[app.pid], Duration::from_secs(5));
+        // Its app, and its sidecar's agent (with Envoy) and relay: the
+        // relay runs in the host's netns, so the scan below misses it.
+        for role in [Role::App, Role::Sidecar, Role::SidecarRelay] {
+            if let Some(p) = self.state.process(role, Some(key))
+                && process::is_alive(p.pid)
+                && process::belongs_to(p.pid, &self.state.state_dir)
+            {
+                process::stop_all(&[p.pid], Duration::from_secs(5));
+            }
         }
         if let Ok(meta) = std::fs::metadata(netns::path(&pod.netns)) {
             use std::os::unix::fs::MetadataExt;

@@ -63,6 +63,7 @@ fn mesh(p: &PodStatus) -> String {
             "ENROLLED, NOT SERVED (redirected, ztunnel has no listeners; agent retrying)".into()
         }
         Mesh::Enrolled => "enrolled".into(),
+        Mesh::Sidecar => "sidecar".into(),
         Mesh::NotEnrolled if !p.in_config => "no (not in the config)".into(),
         Mesh::NotEnrolled => "no".into(),
         Mesh::Disagree => {
@@ -322,7 +323,48 @@ fn body(s: &Status) -> String {
         }
     }
     out.push_str(&waypoints(s));
+    out.push_str(&sidecars(s));
     out
+}
+
+/// The sidecar pods' agents (with Envoy) and whether they are ready.
+fn sidecars(s: &Status) -> String {
+    if s.sidecars.is_empty() {
+        return String::new();
+    }
+    let rows: Vec<Vec<String>> = s
+        .sidecars
+        .iter()
+        .map(|c| {
+            let agent = match (c.agent_pid, c.agent_running) {
+                (Some(pid), true) => format!("{pid} running"),
+                (Some(pid), false) => format!("{pid} EXITED"),
+                (None, _) => "not started".into(),
+            };
+            let mut ready = if c.ready {
+                "ready".to_string()
+            } else {
+                format!("NOT READY ({})", c.readiness)
+            };
+            if !c.relay_running {
+                ready.push_str(", RELAY TO THE CONTROL PLANE NOT RUNNING");
+            }
+            vec![
+                c.pod.clone(),
+                c.node.clone(),
+                c.ip.to_string(),
+                agent,
+                ready,
+            ]
+        })
+        .collect();
+    format!(
+        "\n{}",
+        table(
+            &["SIDECAR POD", "NODE", "IP", "AGENT + ENVOY", "READINESS"],
+            &rows
+        )
+    )
 }
 
 /// The waypoint pods, and the requests per route through each.
@@ -539,7 +581,7 @@ pub fn up_summary(s: &Status, app_args: &[(String, Vec<String>)], hints: &Hints)
     out.push_str(&body(s));
     let _ = writeln!(
         out,
-        "\nLogs: {} (control.log, agent-<node>.log, ztunnel-<node>.log, pod-<namespace>-<pod>.log, waypoints.log, waypoint-<namespace>-<pod>.log)",
+        "\nLogs: {} (control.log, agent-<node>.log, ztunnel-<node>.log, pod-<namespace>-<pod>.log, waypoints.log, waypoint-<namespace>-<pod>.log, sidecar-<namespace>-<pod>.log)",
         s.log_dir.display()
     );
     out.push_str("\nNext:\n");
@@ -605,7 +647,10 @@ fn exec_examples(s: &Status, app_args: &[(String, Vec<String>)]) -> Vec<String> 
         (None, None) => {}
     }
     if let Some((_, url)) = &server
-        && let Some(p) = s.pods.iter().find(|p| !p.ambient)
+        && let Some(p) = s
+            .pods
+            .iter()
+            .find(|p| !p.ambient && p.mesh != Mesh::Sidecar)
     {
         let from = format!("{}/{}", p.namespace, p.name);
         out.push(call(

@@ -36,6 +36,10 @@ pub enum Role {
     /// `ambitctl local waypoint-controller`: starts and stops waypoint
     /// pods as the config's waypoint Gateways come and go.
     WaypointController,
+    /// A sidecar pod's `ambit-agent --kind sidecar` (Envoy in its group).
+    Sidecar,
+    /// `ambitctl local relay`: a sidecar pod's way to the control plane.
+    SidecarRelay,
 }
 
 impl Role {
@@ -46,6 +50,8 @@ impl Role {
             Role::Ztunnel => "ztunnel",
             Role::App => "ambit-demo",
             Role::WaypointController => "waypoint-controller",
+            Role::Sidecar => "sidecar",
+            Role::SidecarRelay => "sidecar-relay",
         }
     }
 }
@@ -110,6 +116,9 @@ pub struct PodState {
     pub service_account: String,
     /// Whether its labels put it in the mesh.
     pub ambient: bool,
+    /// Whether it runs a sidecar (it asks for injection, or has one).
+    #[serde(default)]
+    pub sidecar: bool,
     /// `ambit-demo` arguments, if it runs the demo app.
     pub app: Option<Vec<String>>,
     /// The chain's ADD result, passed back on DEL as runtimes do.
@@ -210,21 +219,25 @@ impl State {
         self.nodes.iter().find(|n| n.name == name)
     }
 
-    /// The process of `role` for `node` (agent, ztunnel) or pod (app).
+    /// The process of `role` for `node` (agent, ztunnel) or pod (app,
+    /// sidecar, sidecar relay).
     pub fn process(&self, role: Role, node_or_pod: Option<&str>) -> Option<&ProcRecord> {
         self.processes.iter().rev().find(|p| {
             p.role == role
                 && match role {
                     Role::Control | Role::WaypointController => true,
-                    Role::App => p.pod.as_deref() == node_or_pod,
+                    Role::App | Role::Sidecar | Role::SidecarRelay => {
+                        p.pod.as_deref() == node_or_pod
+                    }
                     _ => p.node.as_deref() == node_or_pod,
                 }
         })
     }
 
     /// `<state-dir>/generated`: the Pods `ambitctl` writes for waypoint
-    /// Gateways, served by the control plane and read by the node agents
-    /// beside the config dir (`--extra-config-dir`).
+    /// Gateways and the injected version of sidecar pods, served by the
+    /// control plane (over the config dir's objects of the same name) and
+    /// read by the node agents beside the config dir (`--extra-config-dir`).
     pub fn generated_dir(&self) -> PathBuf {
         self.state_dir.join("generated")
     }

@@ -29,12 +29,33 @@ pub(super) fn up(opts: &UpOptions) -> Result<LocalCluster, LocalError> {
     prerequisites(&bin_dir)?;
     let config_dir = absolute(&opts.config_dir)?;
     let plan = plan_dir(&config_dir)?;
-    let envoy = find_envoy();
-    if !plan.waypoints.is_empty() && envoy.is_none() {
+    let envoy = opts.envoy.clone().or_else(find_envoy);
+    if envoy.is_none() {
         let gateways: Vec<String> = plan.waypoints.iter().map(ToString::to_string).collect();
-        return Err(LocalError::MissingEnvoy {
-            gateways: gateways.join(", "),
-        });
+        let sidecars: Vec<String> = plan
+            .pods
+            .iter()
+            .filter(|p| p.sidecar)
+            .map(|p| p.key())
+            .collect();
+        let mut needs = Vec::new();
+        if !gateways.is_empty() {
+            needs.push(format!(
+                "declares waypoint Gateways ({})",
+                gateways.join(", ")
+            ));
+        }
+        if !sidecars.is_empty() {
+            needs.push(format!(
+                "has pods that ask for a sidecar ({})",
+                sidecars.join(", ")
+            ));
+        }
+        if !needs.is_empty() {
+            return Err(LocalError::MissingEnvoy {
+                needs: needs.join(" and "),
+            });
+        }
     }
 
     // Never touch an existing cluster: refuse before claiming anything.
@@ -223,6 +244,7 @@ impl Builder {
                 .map_err(LocalError::io("linking a CNI plugin", &link))?;
         }
         self.plan_nodes()?;
+        self.sidecar_manifests()?;
         self.topology()?;
         let mut tries = 0;
         loop {
@@ -239,6 +261,9 @@ impl Builder {
         // Waypoints before the apps, so no app's first call finds a
         // waypoint-bound service without its waypoint.
         self.waypoint_controller()?;
+        // Sidecars before the apps, as their proxy starts before a pod's
+        // app in Kubernetes: an app's first call is already captured.
+        self.sidecars()?;
         self.apps()?;
         self.certificates()?;
         self.state.phase = Phase::Ready;
@@ -571,6 +596,7 @@ impl Builder {
                 container_id: random_hex(32),
                 service_account: p.service_account.clone(),
                 ambient: p.ambient,
+                sidecar: p.sidecar,
                 app: p.app.clone(),
                 cni_result: None,
             };

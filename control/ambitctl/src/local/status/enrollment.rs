@@ -120,6 +120,9 @@ pub enum Mesh {
     /// The sources do not agree: a label change still being applied (a
     /// second or two), or one that did not apply.
     Disagree,
+    /// It runs a sidecar: the node agent leaves it alone and the ztunnels
+    /// reach it over HBONE, terminated by its Envoy.
+    Sidecar,
 }
 
 /// Decides [`Mesh`] from the live sources: `labels` (`None`: the pod is
@@ -149,6 +152,17 @@ pub fn verdict(
         }
         (false, false) if tunnels(false) => Mesh::NotEnrolled,
         _ => Mesh::Disagree,
+    }
+}
+
+/// [`Mesh`] of a sidecar pod: not redirected by its node agent, and every
+/// answering ztunnel tunnels to it (its Envoy terminates HBONE).
+pub fn sidecar_verdict(agent: Option<bool>, ztunnels: &BTreeMap<String, Option<String>>) -> Mesh {
+    let hbone = ztunnels.values().all(|p| p.as_deref() == Some("HBONE"));
+    if agent != Some(true) && hbone {
+        Mesh::Sidecar
+    } else {
+        Mesh::Disagree
     }
 }
 

@@ -23,6 +23,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::process::{http_get, is_alive};
+use super::sidecars::{self, SidecarStatus};
 use super::state::{Phase, Role, State};
 use super::waypoints::{SkippedWaypoint, WaypointStatus, probe};
 
@@ -31,7 +32,8 @@ pub use connections::{
     merge, opened_by_policy, rfc3339,
 };
 pub use enrollment::{
-    LiveConfig, Mesh, PodLabels, labels_of, read_config, verdict, ztunnel_workloads,
+    LiveConfig, Mesh, PodLabels, labels_of, read_config, sidecar_verdict, verdict,
+    ztunnel_workloads,
 };
 
 /// A process and whether it runs.
@@ -141,6 +143,8 @@ pub struct Status {
     pub waypoints: Vec<WaypointStatus>,
     /// Waypoint Gateways without a pod, and why.
     pub waypoints_skipped: Vec<SkippedWaypoint>,
+    /// Sidecar pods' agents (with Envoy), with their readiness.
+    pub sidecars: Vec<SidecarStatus>,
 }
 
 impl Status {
@@ -154,6 +158,15 @@ impl Status {
                 .all(|n| n.agent.alive && n.ztunnel.alive && n.ztunnel_ready)
             && self.pods.iter().all(|p| p.app_running != Some(false))
             && self.waypoints.iter().all(|w| w.agent_running && w.ready)
+            && self
+                .sidecars
+                .iter()
+                .all(|s| s.agent_running && s.relay_running && s.ready)
+    }
+
+    /// The sidecar of pod `namespace/name`.
+    pub fn sidecar(&self, pod: &str) -> Option<&SidecarStatus> {
+        self.sidecars.iter().find(|s| s.pod == pod)
     }
 
     /// The waypoint pod of Gateway `namespace/name`.
@@ -261,7 +274,11 @@ pub fn collect(state: &State) -> Status {
                 in_config: labels.is_some(),
                 enrolled,
                 unserved: enrolled == Some(true) && !served,
-                mesh: verdict(labels, enrolled, served, &ztunnels),
+                mesh: if p.sidecar {
+                    sidecar_verdict(enrolled, &ztunnels)
+                } else {
+                    verdict(labels, enrolled, served, &ztunnels)
+                },
                 ztunnels,
                 app: p.app.as_ref().map(|a| a.join(" ")),
                 app_running: p
@@ -276,6 +293,7 @@ pub fn collect(state: &State) -> Status {
         waypoint_controller: ProcStatus::of(state, Role::WaypointController, None),
         waypoints,
         waypoints_skipped,
+        sidecars: sidecars::collect(state),
         name: state.name.clone(),
         state_dir: state.state_dir.clone(),
         config_dir: state.config_dir.clone(),

@@ -330,6 +330,7 @@ fn status_with(pods: Vec<PodStatus>, connections: Vec<Connection>) -> Status {
         waypoint_controller: proc_,
         waypoints: vec![],
         waypoints_skipped: vec![],
+        sidecars: vec![],
     }
 }
 
@@ -381,4 +382,63 @@ fn the_mesh_column_says_what_the_live_sources_say() {
         !text.contains("NOT ENROLLED (labels say ambient)"),
         "{text}"
     );
+}
+
+#[test]
+fn sidecar_pods_have_their_own_verdict_and_table() {
+    let zt = |p: Option<&str>| -> BTreeMap<String, Option<String>> {
+        [("node-a".to_string(), p.map(str::to_string))].into()
+    };
+    assert_eq!(
+        sidecar_verdict(Some(false), &zt(Some("HBONE"))),
+        Mesh::Sidecar
+    );
+    assert_eq!(sidecar_verdict(None, &zt(Some("HBONE"))), Mesh::Sidecar);
+    // Redirected by the node agent too, or not tunnelled to: not right.
+    assert_eq!(
+        sidecar_verdict(Some(true), &zt(Some("HBONE"))),
+        Mesh::Disagree
+    );
+    assert_eq!(
+        sidecar_verdict(Some(false), &zt(Some("TCP"))),
+        Mesh::Disagree
+    );
+
+    let sidecar = |pod: &str, ready: bool| SidecarStatus {
+        pod: pod.into(),
+        node: "node-a".into(),
+        ip: "10.20.1.10".parse().unwrap(),
+        agent_pid: Some(42),
+        agent_running: true,
+        relay_running: ready,
+        ready,
+        readiness: if ready {
+            "ready".into()
+        } else {
+            "503: no certificate".into()
+        },
+        log: None,
+    };
+    let mut s = status_with(vec![], vec![]);
+    s.sidecars = vec![sidecar("legacy/web", true), sidecar("legacy/db", false)];
+    assert!(!s.healthy());
+    assert!(s.sidecar("legacy/web").is_some_and(|c| c.ready));
+    let text = crate::local::render::status(&s);
+    assert!(text.contains("SIDECAR POD"), "{text}");
+    let line = |pod: &str| {
+        text.lines()
+            .find(|l| l.starts_with(pod))
+            .unwrap_or_default()
+    };
+    assert!(
+        line("legacy/web").contains("42 running") && line("legacy/web").contains("ready"),
+        "{text}"
+    );
+    assert!(
+        line("legacy/db").contains("NOT READY (503: no certificate)")
+            && line("legacy/db").contains("RELAY"),
+        "{text}"
+    );
+    s.sidecars.pop();
+    assert!(s.healthy());
 }

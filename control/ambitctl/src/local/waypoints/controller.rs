@@ -282,6 +282,7 @@ impl Controller {
             container_id: random_hex(32),
             service_account: key.name.clone(),
             ambient: false,
+            sidecar: false,
             app: None,
             cni_result: None,
         };

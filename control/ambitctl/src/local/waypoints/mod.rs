@@ -45,7 +45,7 @@ use crate::config::Object;
 mod controller;
 mod pod;
 pub mod probe;
-mod relay;
+pub(crate) mod relay;
 pub mod routes;
 
 pub use controller::{ControllerOptions, run_controller};

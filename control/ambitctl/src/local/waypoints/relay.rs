@@ -25,7 +25,7 @@ const ACCEPT_POLL: Duration = Duration::from_millis(50);
 /// A running relay; stops accepting when dropped (live connections end
 /// when either side closes).
 #[derive(Debug)]
-pub(super) struct Relay {
+pub(crate) struct Relay {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -42,7 +42,7 @@ impl Drop for Relay {
 impl Relay {
     /// Listens on `listen` inside netns `pod_netns` and relays each
     /// connection to `target` (dialled from this process's netns).
-    pub(super) fn start(
+    pub(crate) fn start(
         pod_netns: &str,
         listen: SocketAddr,
         target: SocketAddr,

@@ -82,6 +82,7 @@ fn pod(ns: &str, name: &str, node: &str, ip: Ipv4Addr) -> PodState {
         container_id: "c".into(),
         service_account: name.into(),
         ambient: false,
+        sidecar: false,
         app: None,
         cni_result: None,
     }
