@@ -384,11 +384,12 @@ fn rep_phases(
             drop(profile);
             machine.add("other", u.other_vcpu());
             println!(
-                "rep {rep} {phase:>9} {:>9}: proxies {:.2} vCPU, this process {:.2}, rest of machine {:.3}",
+                "rep {rep} {phase:>9} {:>9}: proxies {:.2} vCPU, this process {:.2}, rest of machine {:.3} [{}]",
                 p.name,
                 u.proxy_cpu / u.secs,
                 u.own_cpu / u.secs,
-                u.other_vcpu()
+                u.other_vcpu(),
+                u.top_others
             );
         }
     }

@@ -3,6 +3,7 @@
 //! processes (both ends), of this process (apps and load generators) and of
 //! the rest of the machine over the same window.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -37,12 +38,14 @@ pub struct Path {
 }
 
 /// CPU over a window: the path's proxies, this process, the rest.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Usage {
     pub secs: f64,
     pub proxy_cpu: f64,
     pub own_cpu: f64,
     pub other_cpu: f64,
+    /// The other processes that used the most CPU: `comm cpu-s`.
+    pub top_others: String,
 }
 
 impl Usage {
@@ -58,6 +61,58 @@ pub struct Meter {
     proxy: f64,
     own: f64,
     busy: f64,
+    irq: [f64; 3],
+    all: HashMap<u32, (String, f64)>,
+}
+
+/// CPU seconds of every process on the machine, with its name.
+fn all_processes() -> HashMap<u32, (String, f64)> {
+    let mut all = HashMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return all;
+    };
+    for e in dir.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        all.insert(pid, (comm.trim().to_string(), load::cpu_secs(pid)));
+    }
+    all
+}
+
+/// Machine-wide irq, softirq and steal seconds so far (`/proc/stat`).
+fn irq_steal() -> [f64; 3] {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let f: Vec<f64> = stat
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    let at = |i: usize| f.get(i).copied().unwrap_or(0.0) / 100.0;
+    [at(5), at(6), at(7)]
+}
+
+/// The three other processes that used most CPU since `before`.
+fn top_others(before: &HashMap<u32, (String, f64)>, skip: &[u32]) -> String {
+    let mut d: Vec<(f64, String)> = all_processes()
+        .into_iter()
+        .filter(|(pid, _)| !skip.contains(pid))
+        .map(|(pid, (comm, cpu))| {
+            let was = before.get(&pid).map_or(0.0, |(_, c)| *c);
+            (cpu - was, comm)
+        })
+        .filter(|(d, _)| *d >= 0.02)
+        .collect();
+    d.sort_by(|a, b| b.0.total_cmp(&a.0));
+    d.iter()
+        .take(3)
+        .map(|(c, n)| format!("{n} {c:.2}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn cpu(pids: &[u32]) -> f64 {
@@ -72,6 +127,8 @@ impl Meter {
             proxy: cpu(pids),
             own: load::cpu_secs(std::process::id()),
             busy: load::machine_busy_secs(),
+            irq: irq_steal(),
+            all: all_processes(),
         }
     }
 
@@ -79,7 +136,18 @@ impl Meter {
         let proxy_cpu = cpu(&self.pids) - self.proxy;
         let own_cpu = load::cpu_secs(std::process::id()) - self.own;
         let busy = load::machine_busy_secs() - self.busy;
+        let mut skip = self.pids.clone();
+        skip.push(std::process::id());
+        let irq = irq_steal();
+        let mut top = ["irq", "softirq", "steal"]
+            .iter()
+            .zip(irq.iter().zip(self.irq))
+            .filter(|(_, (now, was))| *now - *was >= 0.02)
+            .map(|(n, (now, was))| format!("{n} {:.2}", now - was))
+            .collect::<Vec<_>>();
+        top.push(top_others(&self.all, &skip));
         Usage {
+            top_others: top.join(", "),
             secs: self.t.elapsed().as_secs_f64(),
             proxy_cpu,
             own_cpu,
