@@ -227,7 +227,13 @@ fn main() -> Result<()> {
     let state = tempfile::tempdir()?;
     let mut opts = UpOptions::new(config.path(), &bins);
     opts.name = format!("fl{:05x}", rand::random::<u32>() & 0xfffff);
-    opts.state_dir = Some(state.path().join("state"));
+    let state_dir = state.path().join("state");
+    println!(
+        "cluster {} (if this run is killed: ambitctl local down --state-dir {})",
+        opts.name,
+        state_dir.display()
+    );
+    opts.state_dir = Some(state_dir);
     let cluster = local::up(&opts).context("local up")?.down_on_drop();
     let result = run(&cluster, &k, reps);
     let down = cluster.down().context("local down");
@@ -306,6 +312,13 @@ fn run(cluster: &LocalCluster, k: &Knobs, reps: usize) -> Result<()> {
     for rep in 0..reps {
         rep_phases(&rt, &paths, k, rep, &mut recs, &mut machine)?;
     }
+    report_all(&paths, &recs, &machine, k, reps);
+    Ok(())
+}
+
+/// The tables: medians side by side, the goals (all four paths run), the
+/// ratios to floor + TLS.
+fn report_all(paths: &[&Path], recs: &[Record], machine: &Record, k: &Knobs, reps: usize) {
     println!(
         "\nfinished {}; medians of {reps} reps (min–max); rest of the machine (not the proxies, \
          not this process): median {:.3}, max {:.3} vCPU over all phases",
@@ -327,7 +340,6 @@ fn run(cluster: &LocalCluster, k: &Knobs, reps: usize) -> Result<()> {
     if let (Some(t), Some(z)) = (find("floor-tls"), find("ztunnel")) {
         report::ratios(t, z);
     }
-    Ok(())
 }
 
 /// Idle RSS of each proxy, then `IDLE_CONNS` idle connections through
