@@ -3,10 +3,17 @@
 
 #![forbid(unsafe_code)]
 
-/// mimalloc: faster than glibc malloc for many small allocations across
-/// threads, and after many concurrent connections close it keeps about
-/// half of what glibc keeps (benches/README.md, "Load", a).
-#[cfg(not(feature = "system-allocator"))]
+/// jemalloc: on the two-node bed it moves a byte for ~20 % less CPU than
+/// mimalloc did (bulk through HBONE), with the same memory per idle
+/// connection; glibc malloc matched its speed but held ~30 % more per
+/// connection (benches/README.md, "Data plane against the floor", levers).
+#[cfg(not(any(feature = "system-allocator", feature = "mimalloc")))]
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+/// mimalloc, for comparison (the `mimalloc` feature; `system-allocator`
+/// wins when both are on).
+#[cfg(all(feature = "mimalloc", not(feature = "system-allocator")))]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
