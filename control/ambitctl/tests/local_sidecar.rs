@@ -330,13 +330,7 @@ fn a_sidecar_pod_and_ambient_pods_reach_each_other() {
         report.stopped.iter().any(|s| s.contains("sidecar")),
         "{report:?}"
     );
-    let left: Vec<String> = std::fs::read_dir("/var/run/netns")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str().map(str::to_string))
-        .filter(|n| n.starts_with(&format!("{name}-")))
-        .collect();
+    let left = netns_of(&name);
     assert!(left.is_empty(), "netns left: {left:?}");
     let procs = processes_naming(&state);
     assert!(procs.is_empty(), "processes left: {procs:?}");
@@ -374,15 +368,20 @@ fn a_sidecar_that_never_gets_ready_fails_up_and_leaves_nothing() {
     ] {
         assert!(e.contains(want), "{want:?} missing from: {e}");
     }
-    let left: Vec<String> = std::fs::read_dir("/var/run/netns")
+    let left = netns_of(&name);
+    assert!(left.is_empty(), "netns left: {left:?}");
+    let procs = processes_naming(&state);
+    assert!(procs.is_empty(), "processes left: {procs:?}");
+    assert!(!state.exists());
+}
+
+/// The network namespaces of cluster `name` still present.
+fn netns_of(name: &str) -> Vec<String> {
+    std::fs::read_dir("/var/run/netns")
         .into_iter()
         .flatten()
         .flatten()
         .filter_map(|e| e.file_name().to_str().map(str::to_string))
         .filter(|n| n.starts_with(&format!("{name}-")))
-        .collect();
-    assert!(left.is_empty(), "netns left: {left:?}");
-    let procs = processes_naming(&state);
-    assert!(procs.is_empty(), "processes left: {procs:?}");
-    assert!(!state.exists());
+        .collect()
 }
