@@ -1,20 +1,29 @@
 //! The bidirectional copy loop at the heart of every proxied connection.
 //!
 //! ```text
-//!   a ──read──▶ [buf a→b] ──write──▶ b      both directions polled by one future,
-//!   a ◀─write── [buf b→a] ◀──read─── b      so byte counts are known even on error
+//!   a ──chunk──▶ [direction a→b] ──chunk──▶ b   both directions polled by one
+//!   a ◀─chunk── [direction b→a] ◀──chunk── b   future, so byte counts are known
+//!                                                even on error
 //! ```
 //!
+//! * **Chunks, not copies**: each side is a [`ChunkIo`]. A socket reads into
+//!   the direction's buffer and hands the bytes out as a [`Bytes`] split off
+//!   it; an HBONE stream hands out the DATA frames h2 already holds and takes
+//!   the chunks it is given as DATA frames. So a byte crosses ztunnel's
+//!   memory once: kernel → buffer → (TLS) → kernel, with no user-space copy
+//!   between a socket and an HTTP/2 stream in either direction.
 //! * **Half-close**: EOF on one side flushes and shuts down the *write* side
 //!   of the other; the opposite direction keeps running until it ends too.
 //! * **Backpressure**: a direction reads again only once everything it read
 //!   was written; a slow writer stops its reader.
-//! * **Buffers**: one per direction, allocated when the direction first
-//!   reads. It starts at [`CopyConfig::initial_buffer`] and, after
-//!   [`CopyConfig::grow_after`] consecutive reads that fill it, is replaced
-//!   once by a [`CopyConfig::max_buffer`] one (bulk transfers get big
-//!   syscalls, idle or chatty connections keep a small footprint). Nothing is
-//!   allocated per chunk.
+//! * **Buffers**: a direction holds no buffer while its source has nothing
+//!   to read — a socket's buffer is allocated only once the socket is
+//!   readable (never zero-filled), and released whenever the source runs dry
+//!   — so an idle connection costs no buffer memory. Reads ask for
+//!   [`CopyConfig::initial_buffer`] bytes; after [`CopyConfig::grow_after`]
+//!   consecutive reads that fill it, for [`CopyConfig::max_buffer`] (bulk
+//!   transfers get big syscalls); a short read brings it back. A buffer whose
+//!   chunks have all been written is reused for the next read.
 //! * **Errors** end the whole copy (the caller closes both sides) and carry
 //!   the bytes copied so far, for metrics and access logs.
 
@@ -26,21 +35,23 @@ use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use tokio::io::AsyncWrite;
+use tokio::net::TcpStream;
 
-/// Initial size of each direction's buffer.
+/// Initial size of each direction's reads.
 pub const INITIAL_BUFFER: usize = 16 * 1024;
-/// Size a direction's buffer grows to under bulk traffic.
+/// Size a direction's reads grow to under bulk traffic.
 pub const MAX_BUFFER: usize = 256 * 1024;
-/// Consecutive full reads after which a buffer grows.
+/// Consecutive full reads after which reads grow.
 pub const GROW_AFTER: u32 = 4;
 
 /// Tuning of [`copy_bidirectional`]; the defaults suit the data path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CopyConfig {
-    /// Size of each direction's first buffer (bytes, at least 1).
+    /// Size of each direction's first reads (bytes, at least 1).
     pub initial_buffer: usize,
-    /// Size a buffer grows to once reads keep filling it (bytes).
+    /// Size reads grow to once they keep filling the buffer (bytes).
     pub max_buffer: usize,
     /// How many consecutive full reads trigger the growth.
     pub grow_after: u32,
@@ -52,6 +63,95 @@ impl Default for CopyConfig {
             initial_buffer: INITIAL_BUFFER,
             max_buffer: MAX_BUFFER,
             grow_after: GROW_AFTER,
+        }
+    }
+}
+
+/// A side of the copy: a byte stream that reads and writes owned chunks.
+///
+/// The defaults of `poll_write_chunk`, `poll_flush_chunks` and
+/// `poll_shutdown_chunks` go through [`AsyncWrite`]; a stream that can keep
+/// the bytes it is handed (an HTTP/2 stream) overrides `poll_write_chunk`.
+pub trait ChunkIo: AsyncWrite + Unpin {
+    /// Reads the next chunk; an empty chunk is EOF. A source that reads
+    /// from the kernel waits until it is readable, then reads at most `want`
+    /// bytes into `buf` (reserving them first) and splits them off; a source
+    /// that already holds owned bytes returns them and leaves `buf` alone.
+    fn poll_read_chunk(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut BytesMut,
+        want: usize,
+    ) -> Poll<io::Result<Bytes>>;
+
+    /// Writes from the front of `chunk` and advances it past what was
+    /// taken; returns how many bytes that was (0 only for an empty chunk).
+    fn poll_write_chunk(
+        &mut self,
+        cx: &mut Context<'_>,
+        chunk: &mut Bytes,
+    ) -> Poll<io::Result<usize>> {
+        let n = ready!(Pin::new(&mut *self).poll_write(cx, chunk))?;
+        chunk.advance(n.min(chunk.len()));
+        Poll::Ready(Ok(n))
+    }
+
+    /// Pushes out what was written.
+    fn poll_flush_chunks(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut *self).poll_flush(cx)
+    }
+
+    /// Ends the write half (the peer reads EOF).
+    fn poll_shutdown_chunks(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut *self).poll_shutdown(cx)
+    }
+}
+
+impl<T: ChunkIo + ?Sized> ChunkIo for &mut T {
+    fn poll_read_chunk(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut BytesMut,
+        want: usize,
+    ) -> Poll<io::Result<Bytes>> {
+        (**self).poll_read_chunk(cx, buf, want)
+    }
+
+    fn poll_write_chunk(
+        &mut self,
+        cx: &mut Context<'_>,
+        chunk: &mut Bytes,
+    ) -> Poll<io::Result<usize>> {
+        (**self).poll_write_chunk(cx, chunk)
+    }
+
+    fn poll_flush_chunks(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        (**self).poll_flush_chunks(cx)
+    }
+
+    fn poll_shutdown_chunks(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        (**self).poll_shutdown_chunks(cx)
+    }
+}
+
+impl ChunkIo for TcpStream {
+    fn poll_read_chunk(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut BytesMut,
+        want: usize,
+    ) -> Poll<io::Result<Bytes>> {
+        loop {
+            ready!(self.poll_read_ready(cx))?;
+            // Allocated (or reclaimed) only now that bytes are waiting; at
+            // most `want` are read even into a larger reused buffer.
+            buf.reserve(want);
+            match self.try_read_buf(&mut (&mut *buf).limit(want)) {
+                Ok(_) => return Poll::Ready(Ok(buf.split().freeze())),
+                // Spurious readiness; `try_read_buf` cleared it.
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
         }
     }
 }
@@ -137,16 +237,14 @@ impl CopyError {
 /// Copies `a` ⇄ `b` until both directions have ended, with half-close
 /// propagation (see the module docs). Returns the bytes written
 /// `(A→B, B→A)`; on error, [`CopyError::copied`] tells what got through.
-///
-/// Pass `&mut stream` to keep ownership of the streams.
 pub async fn copy_bidirectional<A, B>(
     mut a: A,
     mut b: B,
     config: &CopyConfig,
 ) -> Result<(u64, u64), CopyError>
 where
-    A: AsyncRead + AsyncWrite + Unpin,
-    B: AsyncRead + AsyncWrite + Unpin,
+    A: ChunkIo,
+    B: ChunkIo,
 {
     let mut a_to_b = Direction::new(config);
     let mut b_to_a = Direction::new(config);
@@ -160,7 +258,7 @@ where
                 source,
             }))
         };
-        let ab = match a_to_b.poll_copy(cx, Pin::new(&mut a), Pin::new(&mut b)) {
+        let ab = match a_to_b.poll_copy(cx, &mut a, &mut b) {
             Poll::Ready(Err((Operation::Read, e))) => {
                 return fail(Side::A, (Operation::Read, e), &a_to_b, &b_to_a);
             }
@@ -168,7 +266,7 @@ where
             Poll::Ready(Ok(())) => true,
             Poll::Pending => false,
         };
-        let ba = match b_to_a.poll_copy(cx, Pin::new(&mut b), Pin::new(&mut a)) {
+        let ba = match b_to_a.poll_copy(cx, &mut b, &mut a) {
             Poll::Ready(Err((Operation::Read, e))) => {
                 return fail(Side::B, (Operation::Read, e), &a_to_b, &b_to_a);
             }
@@ -185,15 +283,14 @@ where
     .await
 }
 
-/// One direction's state: its buffer and how far it got.
+/// One direction's state: its buffer, the chunk in flight and how far it got.
 struct Direction {
-    /// Empty until the first read, so a direction that never carries data
-    /// costs nothing.
-    buf: Vec<u8>,
-    /// Bytes of `buf[..filled]` already written.
-    written: usize,
-    /// Bytes read into `buf`.
-    filled: usize,
+    /// Where a socket source reads; no allocation while the source is dry.
+    buf: BytesMut,
+    /// Read but not yet written.
+    chunk: Bytes,
+    /// How many bytes the next read asks for.
+    want: usize,
     copied: u64,
     full_reads: u32,
     read_eof: bool,
@@ -207,9 +304,9 @@ type StepError = (Operation, io::Error);
 impl Direction {
     fn new(config: &CopyConfig) -> Self {
         Self {
-            buf: Vec::new(),
-            written: 0,
-            filled: 0,
+            buf: BytesMut::new(),
+            chunk: Bytes::new(),
+            want: config.initial_buffer.max(1),
             copied: 0,
             full_reads: 0,
             read_eof: false,
@@ -224,39 +321,34 @@ impl Direction {
     fn poll_copy<R, W>(
         &mut self,
         cx: &mut Context<'_>,
-        mut reader: Pin<&mut R>,
-        mut writer: Pin<&mut W>,
+        reader: &mut R,
+        writer: &mut W,
     ) -> Poll<Result<(), StepError>>
     where
-        R: AsyncRead + ?Sized,
-        W: AsyncWrite + ?Sized,
+        R: ChunkIo + ?Sized,
+        W: ChunkIo + ?Sized,
     {
         if self.done {
             return Poll::Ready(Ok(()));
         }
         loop {
             // Everything read so far is written: read more.
-            if self.written == self.filled && !self.read_eof {
-                self.size_buffer();
-                let mut rb = ReadBuf::new(&mut self.buf);
-                match reader.as_mut().poll_read(cx, &mut rb) {
-                    Poll::Ready(Ok(())) => {
-                        let n = rb.filled().len();
-                        self.written = 0;
-                        self.filled = n;
-                        if n == 0 {
+            if self.chunk.is_empty() && !self.read_eof {
+                match reader.poll_read_chunk(cx, &mut self.buf, self.want) {
+                    Poll::Ready(Ok(chunk)) => {
+                        if chunk.is_empty() {
                             self.read_eof = true;
-                        } else if n == self.buf.len() {
-                            self.full_reads = self.full_reads.saturating_add(1);
-                        } else {
-                            self.full_reads = 0;
                         }
+                        self.size_next_read(chunk.len());
+                        self.chunk = chunk;
                     }
                     Poll::Ready(Err(e)) => return Poll::Ready(Err((Operation::Read, e))),
                     Poll::Pending => {
+                        // The source ran dry: hold no buffer while idle.
+                        self.buf = BytesMut::new();
                         // Nothing to read now: push out what was written.
                         if self.needs_flush {
-                            ready!(writer.as_mut().poll_flush(cx))
+                            ready!(writer.poll_flush_chunks(cx))
                                 .map_err(|e| (Operation::Write, e))?;
                             self.needs_flush = false;
                         }
@@ -265,47 +357,47 @@ impl Direction {
                 }
             }
 
-            while self.written < self.filled {
-                let n = ready!(
-                    writer
-                        .as_mut()
-                        .poll_write(cx, &self.buf[self.written..self.filled])
-                )
-                .map_err(|e| (Operation::Write, e))?;
+            while !self.chunk.is_empty() {
+                let n = ready!(writer.poll_write_chunk(cx, &mut self.chunk))
+                    .map_err(|e| (Operation::Write, e))?;
                 if n == 0 {
                     return Poll::Ready(Err((
                         Operation::Write,
                         io::Error::new(io::ErrorKind::WriteZero, "the writer accepted no bytes"),
                     )));
                 }
-                self.written += n;
                 self.copied += n as u64;
                 self.needs_flush = true;
             }
 
             if self.read_eof {
-                ready!(writer.as_mut().poll_flush(cx)).map_err(|e| (Operation::Write, e))?;
+                ready!(writer.poll_flush_chunks(cx)).map_err(|e| (Operation::Write, e))?;
                 self.needs_flush = false;
-                ready!(writer.as_mut().poll_shutdown(cx)).map_err(|e| (Operation::Shutdown, e))?;
+                ready!(writer.poll_shutdown_chunks(cx)).map_err(|e| (Operation::Shutdown, e))?;
                 self.done = true;
-                // The buffer is no longer needed while the other direction runs.
-                self.buf = Vec::new();
+                // No buffer is needed while the other direction runs.
+                self.buf = BytesMut::new();
                 return Poll::Ready(Ok(()));
             }
         }
     }
 
-    /// Allocates the buffer on first use and grows it once under bulk
-    /// traffic. Only called while the buffer holds no unwritten data.
-    fn size_buffer(&mut self) {
+    /// Sizes the next read after one that returned `n` bytes: bigger once
+    /// reads keep filling what they asked for, back to the initial size
+    /// after a short one.
+    fn size_next_read(&mut self, n: usize) {
         let initial = self.config.initial_buffer.max(1);
-        if self.buf.is_empty() {
-            self.buf = vec![0; initial];
-        } else if self.full_reads >= self.config.grow_after
-            && self.buf.len() < self.config.max_buffer
-        {
-            self.buf = vec![0; self.config.max_buffer];
+        if n >= self.want {
+            self.full_reads = self.full_reads.saturating_add(1);
+            if self.full_reads >= self.config.grow_after && self.want < self.config.max_buffer {
+                self.want = self.config.max_buffer;
+                self.full_reads = 0;
+            }
+        } else {
             self.full_reads = 0;
+            if n < initial {
+                self.want = initial;
+            }
         }
     }
 }
@@ -440,18 +532,49 @@ mod tests {
         drop(client);
     }
 
+    #[tokio::test]
+    async fn an_idle_direction_holds_no_buffer() {
+        let (mut client, proxy_a) = pair().await;
+        let (proxy_b, mut server) = pair().await;
+        let (mut a, mut b) = (proxy_a, proxy_b);
+        let mut d = Direction::new(&CopyConfig::default());
+        client.write_all(b"hello").await.unwrap();
+        // Drive the direction until the bytes reached the server.
+        let mut got = [0u8; 5];
+        let copy = poll_fn(|cx| {
+            let _ = d.poll_copy(cx, &mut a, &mut b);
+            if d.copied == 5 {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        });
+        timeout(WAIT, copy).await.unwrap();
+        server.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"hello");
+        // Nothing more to read: the direction gives its buffer back.
+        let idle = poll_fn(|cx| Poll::Ready(d.poll_copy(cx, &mut a, &mut b).is_pending())).await;
+        assert!(idle);
+        assert_eq!(d.buf.capacity(), 0, "an idle direction kept its buffer");
+        assert!(d.chunk.is_empty());
+    }
+
     #[test]
-    fn buffer_grows_under_bulk_traffic_only() {
+    fn reads_grow_under_bulk_traffic_and_shrink_after_a_short_one() {
         let config = CopyConfig::default();
         let mut d = Direction::new(&config);
-        d.size_buffer();
-        assert_eq!(d.buf.len(), INITIAL_BUFFER);
-        d.full_reads = GROW_AFTER - 1;
-        d.size_buffer();
-        assert_eq!(d.buf.len(), INITIAL_BUFFER);
-        d.full_reads = GROW_AFTER;
-        d.size_buffer();
-        assert_eq!(d.buf.len(), MAX_BUFFER);
+        assert_eq!(d.want, INITIAL_BUFFER);
+        for _ in 0..GROW_AFTER - 1 {
+            d.size_next_read(INITIAL_BUFFER);
+        }
+        assert_eq!(d.want, INITIAL_BUFFER);
+        d.size_next_read(INITIAL_BUFFER);
+        assert_eq!(d.want, MAX_BUFFER);
         assert_eq!(d.full_reads, 0);
+        // A partial but large read keeps the size; a small one resets it.
+        d.size_next_read(MAX_BUFFER / 2);
+        assert_eq!(d.want, MAX_BUFFER);
+        d.size_next_read(100);
+        assert_eq!(d.want, INITIAL_BUFFER);
     }
 }

@@ -35,6 +35,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use bytes::{Bytes, BytesMut};
 use hyper::http::HeaderMap;
 use rustls::ClientConfig;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -44,6 +45,7 @@ use tokio::time::Instant;
 use super::client::{ClientError, ClientTimeouts, HboneClient, HboneConnection};
 use super::stream::H2Stream;
 use super::tls::TlsError;
+use crate::copy::ChunkIo;
 use crate::identity::Identity;
 
 /// Default most concurrent streams per pooled connection.
@@ -315,6 +317,25 @@ impl AsyncWrite for PooledStream {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+impl ChunkIo for PooledStream {
+    fn poll_read_chunk(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut BytesMut,
+        want: usize,
+    ) -> Poll<io::Result<Bytes>> {
+        self.stream.poll_read_chunk(cx, buf, want)
+    }
+
+    fn poll_write_chunk(
+        &mut self,
+        cx: &mut Context<'_>,
+        chunk: &mut Bytes,
+    ) -> Poll<io::Result<usize>> {
+        self.stream.poll_write_chunk(cx, chunk)
     }
 }
 

@@ -6,9 +6,11 @@
 //!   reopens at the pace of the consumer (backpressure across the tunnel).
 //! * Writes wait for send capacity (the peer's window, bounded by h2's send
 //!   buffer) and never queue more than that.
-//! * Written bytes are copied into one `BytesMut` that is split into frames
-//!   and reclaimed once h2 has sent them: no allocation per write in steady
-//!   state.
+//! * The copy loop uses the [`ChunkIo`] side: DATA frames are handed out as
+//!   the `Bytes` h2 received, and chunks are sent as DATA frames as they are
+//!   — no copy. The `AsyncWrite` side (other callers) copies written bytes
+//!   into one `BytesMut` that is split into frames and reclaimed once h2 has
+//!   sent them: no allocation per write in steady state.
 //! * `shutdown()` ends our half of the stream (END_STREAM); the peer's
 //!   half stays readable — the half-close of TCP, carried over HTTP/2.
 
@@ -19,6 +21,8 @@ use std::task::{Context, Poll, ready};
 use bytes::{Buf, Bytes, BytesMut};
 use h2::{Reason, RecvStream, SendStream};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::copy::ChunkIo;
 
 /// Smallest allocation of the write buffer (it is reused across writes).
 const WRITE_BUFFER: usize = 64 * 1024;
@@ -92,6 +96,62 @@ pub(crate) fn h2_to_io(e: h2::Error) -> io::Error {
     io::Error::new(kind, e)
 }
 
+impl H2Stream {
+    /// Waits until `pending` holds bytes or the peer's half has ended
+    /// (`Ready(Ok)` with `pending` empty).
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while self.pending.is_empty() {
+            if self.read_eof {
+                return Poll::Ready(Ok(()));
+            }
+            match ready!(self.recv.poll_data(cx)) {
+                Some(Ok(data)) => self.pending = data,
+                Some(Err(e)) => {
+                    // A clean reset after END_STREAM from us is not an error
+                    // for the reader; anything else is.
+                    if e.reason() == Some(Reason::NO_ERROR) {
+                        self.read_eof = true;
+                    } else {
+                        return Poll::Ready(Err(h2_to_io(e)));
+                    }
+                }
+                None => self.read_eof = true,
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// Reopens the peer's window by what the caller took.
+    fn consumed(&mut self, n: usize) -> io::Result<()> {
+        self.recv
+            .flow_control()
+            .release_capacity(n)
+            .map_err(h2_to_io)
+    }
+
+    /// Send capacity for up to `want` bytes (at least 1), or why the send
+    /// half is unusable.
+    fn poll_send_capacity(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<io::Result<usize>> {
+        if self.write_closed {
+            return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
+        }
+        loop {
+            let capacity = self.send.capacity();
+            if capacity > 0 {
+                return Poll::Ready(Ok(capacity));
+            }
+            self.send.reserve_capacity(want);
+            // `poll_capacity` is edge-triggered: it reports increases (look
+            // at `capacity()` again: it may have gone elsewhere already), and
+            // the check above covers capacity already assigned.
+            match ready!(self.send.poll_capacity(cx)) {
+                Some(Ok(_)) => continue,
+                Some(Err(_)) | None => return self.poll_send_error(cx).map(Err),
+            }
+        }
+    }
+}
+
 impl AsyncRead for H2Stream {
     fn poll_read(
         mut self: Pin<&mut Self>,
@@ -99,32 +159,44 @@ impl AsyncRead for H2Stream {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
-        while this.pending.is_empty() {
-            if this.read_eof {
-                return Poll::Ready(Ok(()));
-            }
-            match ready!(this.recv.poll_data(cx)) {
-                Some(Ok(data)) => this.pending = data,
-                Some(Err(e)) => {
-                    // A clean reset after END_STREAM from us is not an error
-                    // for the reader; anything else is.
-                    if e.reason() == Some(Reason::NO_ERROR) {
-                        this.read_eof = true;
-                    } else {
-                        return Poll::Ready(Err(h2_to_io(e)));
-                    }
-                }
-                None => this.read_eof = true,
-            }
-        }
+        ready!(this.poll_fill(cx))?;
         let n = this.pending.len().min(buf.remaining());
         buf.put_slice(&this.pending[..n]);
         this.pending.advance(n);
-        // Reopen the peer's window by what the caller actually took.
-        if let Err(e) = this.recv.flow_control().release_capacity(n) {
-            return Poll::Ready(Err(h2_to_io(e)));
+        Poll::Ready(this.consumed(n))
+    }
+}
+
+/// The copy loop takes DATA frames as they are and hands its chunks to h2
+/// as DATA frames: no copy in either direction.
+impl ChunkIo for H2Stream {
+    fn poll_read_chunk(
+        &mut self,
+        cx: &mut Context<'_>,
+        _buf: &mut BytesMut,
+        _want: usize,
+    ) -> Poll<io::Result<Bytes>> {
+        ready!(self.poll_fill(cx))?;
+        let chunk = std::mem::take(&mut self.pending);
+        self.consumed(chunk.len())?;
+        Poll::Ready(Ok(chunk))
+    }
+
+    fn poll_write_chunk(
+        &mut self,
+        cx: &mut Context<'_>,
+        chunk: &mut Bytes,
+    ) -> Poll<io::Result<usize>> {
+        if chunk.is_empty() {
+            return Poll::Ready(Ok(0));
         }
-        Poll::Ready(Ok(()))
+        let capacity = ready!(self.poll_send_capacity(cx, chunk.len()))?;
+        let frame = chunk.split_to(capacity.min(chunk.len()));
+        let n = frame.len();
+        if self.send.send_data(frame, false).is_err() {
+            return self.poll_send_error(cx).map(Err);
+        }
+        Poll::Ready(Ok(n))
     }
 }
 
@@ -138,19 +210,7 @@ impl AsyncWrite for H2Stream {
         if buf.is_empty() {
             return Poll::Ready(Ok(0));
         }
-        if this.write_closed {
-            return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
-        }
-        let mut capacity = this.send.capacity();
-        if capacity == 0 {
-            this.send.reserve_capacity(buf.len());
-            // `poll_capacity` is edge-triggered: it reports increases, and
-            // the check above covers capacity already assigned.
-            capacity = match ready!(this.send.poll_capacity(cx)) {
-                Some(Ok(n)) => n,
-                Some(Err(_)) | None => return this.poll_send_error(cx).map(Err),
-            };
-        }
+        let capacity = ready!(this.poll_send_capacity(cx, buf.len()))?;
         let n = capacity.min(buf.len());
         if this.write_buf.capacity() < n {
             // Reclaims the previous allocation when h2 has sent every frame

@@ -7,12 +7,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use super::metrics::ConnectionResult;
 use super::{PodContext, ProxyError, live};
-use crate::copy::{CopyConfig, copy_bidirectional};
+use crate::copy::{ChunkIo, CopyConfig, copy_bidirectional};
 use crate::drain::DRAIN_DEADLINE;
 
 /// Copies both ways until done; once the pod drains, gives the connection
@@ -26,8 +25,8 @@ pub(super) async fn copy_until_drained<A, B>(
     revoked: Option<live::Revoked>,
 ) -> Result<(u64, u64), ProxyError>
 where
-    A: AsyncRead + AsyncWrite + Unpin,
-    B: AsyncRead + AsyncWrite + Unpin,
+    A: ChunkIo,
+    B: ChunkIo,
 {
     let copy = copy_bidirectional(a, b, cfg);
     tokio::pin!(copy);

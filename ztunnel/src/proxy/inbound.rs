@@ -303,7 +303,7 @@ async fn deliver<S>(
     dst: SocketAddr,
 ) -> Result<(u64, u64), ProxyError>
 where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    S: crate::copy::ChunkIo,
 {
     let (_registration, revoked) = register(ctx, pod, attrs.clone());
     let upstream = connect_app(ctx, pod, &attrs, dst).await?;
