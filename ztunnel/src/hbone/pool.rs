@@ -2,9 +2,13 @@
 //! identity, destination identity, destination IP), each shared by many
 //! `CONNECT` streams.
 //!
-//! * [`HbonePool::stream`] reuses the first usable connection of the key
-//!   with fewer than [`PoolConfig::max_streams_per_conn`] active streams, or
-//!   dials a new one. Concurrent requests that find no free connection for a
+//! * [`HbonePool::stream`] reuses the usable connection of the key with the
+//!   fewest active streams (below [`PoolConfig::max_streams_per_conn`]), or
+//!   dials a new one. While a key has fewer than
+//!   [`PoolConfig::spread_connections`] connections, a stream that would
+//!   share a busy connection gets a new one instead (falling back to the busy
+//!   one if that dial fails): each connection is one TLS session driven by
+//!   one task, so parallel flows to a peer spread over the worker threads. Concurrent requests that find no free connection for a
 //!   key coalesce: a per-key async mutex is held only around the dial, and
 //!   whoever waited on it looks at the pool again before dialing itself. A
 //!   waiter whose key saw a dial fail while it waited fails fast with
@@ -50,6 +54,11 @@ use crate::identity::Identity;
 
 /// Default most concurrent streams per pooled connection.
 pub const DEFAULT_MAX_STREAMS_PER_CONN: usize = 100;
+/// Default number of connections per key that parallel streams spread over
+/// (ztunnel runs two worker threads).
+pub const DEFAULT_SPREAD_CONNECTIONS: usize = 2;
+/// How long a key stops spreading after a spreading dial failed.
+const SPREAD_PAUSE: Duration = Duration::from_secs(30);
 /// Default time an unused connection stays in the pool.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default bound on the TCP connect of a dial (TLS and HTTP/2 handshakes
@@ -99,6 +108,9 @@ impl Dialer for TcpDialer {
 pub struct PoolConfig {
     /// Most active streams on one connection before another is dialed.
     pub max_streams_per_conn: usize,
+    /// Connections per key that concurrent streams spread over before any
+    /// connection carries two streams; 1 turns spreading off.
+    pub spread_connections: usize,
     /// How long a connection with no active stream is kept.
     pub idle_timeout: Duration,
     /// Bound on the TCP connect of a dial.
@@ -112,6 +124,7 @@ impl Default for PoolConfig {
     fn default() -> Self {
         Self {
             max_streams_per_conn: DEFAULT_MAX_STREAMS_PER_CONN,
+            spread_connections: DEFAULT_SPREAD_CONNECTIONS,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             timeouts: ClientTimeouts::default(),
@@ -236,6 +249,8 @@ struct KeyEntry {
     dial: Arc<tokio::sync::Mutex<()>>,
     /// Dials of this key that failed so far.
     failed_dials: u64,
+    /// No spreading dials before this (one failed).
+    spread_paused_until: Option<Instant>,
 }
 
 struct Inner {
@@ -267,6 +282,9 @@ enum Reserve {
     Got(Lease),
     /// No free slot: dial under this lock; `failed_dials` as seen now.
     Dial(Arc<tokio::sync::Mutex<()>>, u64),
+    /// Every connection is busy and the key may spread: dial another under
+    /// this lock; `failed_dials` as seen now.
+    Spread(Arc<tokio::sync::Mutex<()>>, u64),
 }
 
 /// A `CONNECT` stream from the pool: an [`H2Stream`] that frees its slot
@@ -469,20 +487,34 @@ impl HbonePool {
     where
         F: FnMut() -> Result<Arc<ClientConfig>, TlsError>,
     {
-        let (dial, failed_before) = match self.try_reserve(key) {
+        let (dial, failed_before) = match self.try_reserve(key, true) {
             Reserve::Got(lease) => return Ok((lease, true)),
-            Reserve::Dial(dial, failed) => (dial, failed),
+            Reserve::Dial(dial, failed) | Reserve::Spread(dial, failed) => (dial, failed),
         };
         let _dialing = dial.lock().await;
-        match self.try_reserve(key) {
+        let spreading = match self.try_reserve(key, true) {
             Reserve::Got(lease) => return Ok((lease, true)),
             Reserve::Dial(_, failed) if failed != failed_before => {
                 return Err(PoolError::PeerUnavailable { dst });
             }
-            Reserve::Dial(..) => {}
-        }
+            Reserve::Dial(..) => false,
+            Reserve::Spread(..) => true,
+        };
         match self.dial(key, dst, dialer, make_config).await {
             Ok(conn) => Ok((self.insert(key, conn), false)),
+            Err(e) if spreading => {
+                // The busy connections still work: use one, and stop
+                // spreading this key for a while.
+                tracing::debug!(%dst, error = %e, "extra HBONE connection failed; sharing a busy one");
+                lock(&self.inner.keys)
+                    .entry(key.clone())
+                    .or_default()
+                    .spread_paused_until = Some(Instant::now() + SPREAD_PAUSE);
+                match self.try_reserve(key, false) {
+                    Reserve::Got(lease) => Ok((lease, true)),
+                    _ => Err(e),
+                }
+            }
             Err(e) => {
                 lock(&self.inner.keys)
                     .entry(key.clone())
@@ -493,7 +525,10 @@ impl HbonePool {
         }
     }
 
-    fn try_reserve(&self, key: &PoolKey) -> Reserve {
+    /// Reserves a slot on the least busy usable connection of `key`, or
+    /// says to dial; with `spread`, says to dial another connection rather
+    /// than share a busy one while the key may spread.
+    fn try_reserve(&self, key: &PoolKey, spread: bool) -> Reserve {
         let mut broken = Vec::new();
         let reserve = {
             let mut keys = lock(&self.inner.keys);
@@ -507,12 +542,22 @@ impl HbonePool {
                 }
             }
             let max = self.inner.config.max_streams_per_conn;
-            match entry
+            let may_spread = spread
+                && entry.conns.len() < self.inner.config.spread_connections
+                && entry
+                    .spread_paused_until
+                    .is_none_or(|t| Instant::now() >= t);
+            let least = entry
                 .conns
                 .iter()
-                .find(|s| s.active.load(Ordering::SeqCst) < max)
-            {
-                Some(slot) => {
+                .map(|s| (s.active.load(Ordering::SeqCst), s))
+                .filter(|(active, _)| *active < max)
+                .min_by_key(|(active, _)| *active);
+            match least {
+                Some((active, _)) if active > 0 && may_spread => {
+                    Reserve::Spread(entry.dial.clone(), entry.failed_dials)
+                }
+                Some((_, slot)) => {
                     slot.active.fetch_add(1, Ordering::SeqCst);
                     Reserve::Got(Lease { slot: slot.clone() })
                 }

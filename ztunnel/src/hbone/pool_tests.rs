@@ -358,3 +358,109 @@ async fn dial_address_must_match_the_key() {
     assert!(matches!(err, PoolError::AddressMismatch { .. }), "{err}");
     assert_eq!(server.accepts.load(Ordering::SeqCst), 0);
 }
+
+#[tokio::test]
+async fn two_concurrent_streams_spread_over_two_connections() {
+    let m = Mesh::new().await;
+    let server_id = id("server");
+    let server = m.server(&server_id, any_port()).await;
+    let key = m.key(&server_id, &server);
+    let pool = HbonePool::default();
+
+    // The second concurrent stream gets its own connection (its own TLS
+    // session, so its own worker thread); the third shares the less busy one.
+    let s1 = m.stream(&pool, &key, server.addr).await;
+    let s2 = m.stream(&pool, &key, server.addr).await;
+    assert_eq!(server.accepts.load(Ordering::SeqCst), 2);
+    let s3 = m.stream(&pool, &key, server.addr).await;
+    assert_eq!(
+        pool.stats().key(&key),
+        KeyStats {
+            connections: 2,
+            active_streams: 3
+        }
+    );
+    assert_eq!(server.accepts.load(Ordering::SeqCst), 2);
+    futures::future::join3(echo_ok(s1, 1), echo_ok(s2, 2), echo_ok(s3, 3)).await;
+
+    // With spreading off, concurrent streams share one connection.
+    let unspread = HbonePool::new(PoolConfig {
+        spread_connections: 1,
+        ..PoolConfig::default()
+    });
+    let other = m.server(&server_id, any_port()).await;
+    let other_key = m.key(&server_id, &other);
+    let a = m.stream(&unspread, &other_key, other.addr).await;
+    let b = m.stream(&unspread, &other_key, other.addr).await;
+    assert_eq!(unspread.stats().key(&other_key).connections, 1);
+    futures::future::join(echo_ok(a, 4), echo_ok(b, 5)).await;
+    assert_eq!(other.accepts.load(Ordering::SeqCst), 1);
+}
+
+/// Dials the first time, refuses every later dial.
+struct OneDial(AtomicUsize);
+
+impl Dialer for OneDial {
+    fn dial(&self, dst: SocketAddr) -> DialFuture {
+        let first = self.0.fetch_add(1, Ordering::SeqCst) == 0;
+        Box::pin(async move {
+            if first {
+                TcpStream::connect(dst).await
+            } else {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionRefused,
+                    "test refuses later dials",
+                ))
+            }
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_failed_spreading_dial_shares_the_busy_connection() {
+    let m = Mesh::new().await;
+    let server_id = id("server");
+    let server = m.server(&server_id, any_port()).await;
+    let key = m.key(&server_id, &server);
+    let pool = HbonePool::default();
+    let dialer = OneDial(AtomicUsize::new(0));
+    let bundle = m.ca.bundle();
+    let stream = || {
+        let expected = key.dst.clone();
+        let bundle = bundle.clone();
+        let cert = &m.client;
+        let pool = &pool;
+        let dialer = &dialer;
+        let key = key.clone();
+        async move {
+            timeout(
+                WAIT,
+                pool.stream(
+                    key,
+                    server.addr,
+                    dialer,
+                    || client_config(cert, &bundle, expected.clone()).map(Arc::new),
+                    m.echo,
+                    HeaderMap::new(),
+                ),
+            )
+            .await
+            .unwrap()
+        }
+    };
+
+    let s1 = stream().await.unwrap();
+    // The extra connection cannot be dialed: the stream shares the first
+    // one instead of failing, and the key stops trying for a while.
+    let s2 = stream().await.unwrap();
+    let s3 = stream().await.unwrap();
+    assert_eq!(dialer.0.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        pool.stats().key(&key),
+        KeyStats {
+            connections: 1,
+            active_streams: 3
+        }
+    );
+    futures::future::join3(echo_ok(s1, 1), echo_ok(s2, 2), echo_ok(s3, 3)).await;
+}
