@@ -135,6 +135,10 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
             policies.clone(),
             ProxyConfig {
                 inbound_transparent: config.inbound_transparent,
+                copy: crate::copy::CopyConfig {
+                    splice: config.splice,
+                    ..Default::default()
+                },
                 ..ProxyConfig::default()
             },
         ));

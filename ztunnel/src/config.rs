@@ -89,6 +89,12 @@ pub struct Config {
     #[arg(long, env = "INBOUND_TRANSPARENT", default_value_t = true, action = clap::ArgAction::Set)]
     pub inbound_transparent: bool,
 
+    /// Relay plaintext socket-to-socket connections (passthrough to
+    /// destinations outside the mesh, plaintext inbound) with `splice(2)`,
+    /// inside the kernel; `false` copies them through ztunnel's buffers.
+    #[arg(long, env = "SPLICE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub splice: bool,
+
     /// Bound, in milliseconds, on the TLS + HTTP/2 handshakes with an HBONE
     /// peer (a peer that accepts TCP and never answers fails after this).
     #[arg(long, env = "HBONE_HANDSHAKE_TIMEOUT_MS", default_value_t = 10_000)]
@@ -123,6 +129,7 @@ impl Config {
             network: String::new(),
             zds_path: PathBuf::from(ambit_inpod::DEFAULT_ZDS_PATH),
             inbound_transparent: true,
+            splice: true,
             hbone_handshake_timeout_ms: 10_000,
             hbone_connect_timeout_ms: 10_000,
             hbone_keepalive_interval_ms: 10_000,
@@ -200,6 +207,7 @@ mod tests {
                 "ROOT_CERT",
                 "ZDS_PATH",
                 "INBOUND_TRANSPARENT",
+                "SPLICE",
             ]
             .contains(&k.as_str())
         }) {

@@ -24,6 +24,8 @@
 //!   consecutive reads that fill it, for [`CopyConfig::max_buffer`] (bulk
 //!   transfers get big syscalls); a short read brings it back. A buffer whose
 //!   chunks have all been written is reused for the next read.
+//! * **Splice**: two TCP sockets (the plaintext paths) are relayed by
+//!   [`crate::splice`] instead, socket → pipe → socket inside the kernel.
 //! * **Errors** end the whole copy (the caller closes both sides) and carry
 //!   the bytes copied so far, for metrics and access logs.
 
@@ -55,6 +57,9 @@ pub struct CopyConfig {
     pub max_buffer: usize,
     /// How many consecutive full reads trigger the growth.
     pub grow_after: u32,
+    /// Relay socket-to-socket copies with `splice(2)` ([`crate::splice`])
+    /// instead of through a buffer.
+    pub splice: bool,
 }
 
 impl Default for CopyConfig {
@@ -63,6 +68,7 @@ impl Default for CopyConfig {
             initial_buffer: INITIAL_BUFFER,
             max_buffer: MAX_BUFFER,
             grow_after: GROW_AFTER,
+            splice: true,
         }
     }
 }
@@ -105,6 +111,12 @@ pub trait ChunkIo: AsyncWrite + Unpin {
     fn poll_shutdown_chunks(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut *self).poll_shutdown(cx)
     }
+
+    /// The TCP socket this side is, if it is one: two of them are relayed
+    /// with `splice(2)`.
+    fn as_tcp(&self) -> Option<&TcpStream> {
+        None
+    }
 }
 
 impl<T: ChunkIo + ?Sized> ChunkIo for &mut T {
@@ -132,6 +144,10 @@ impl<T: ChunkIo + ?Sized> ChunkIo for &mut T {
     fn poll_shutdown_chunks(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         (**self).poll_shutdown_chunks(cx)
     }
+
+    fn as_tcp(&self) -> Option<&TcpStream> {
+        (**self).as_tcp()
+    }
 }
 
 impl ChunkIo for TcpStream {
@@ -153,6 +169,10 @@ impl ChunkIo for TcpStream {
                 Err(e) => return Poll::Ready(Err(e)),
             }
         }
+    }
+
+    fn as_tcp(&self) -> Option<&TcpStream> {
+        Some(self)
     }
 }
 
@@ -237,6 +257,8 @@ impl CopyError {
 /// Copies `a` ⇄ `b` until both directions have ended, with half-close
 /// propagation (see the module docs). Returns the bytes written
 /// `(A→B, B→A)`; on error, [`CopyError::copied`] tells what got through.
+/// Two TCP sockets are relayed with `splice(2)` when
+/// [`CopyConfig::splice`] is on.
 pub async fn copy_bidirectional<A, B>(
     mut a: A,
     mut b: B,
@@ -246,36 +268,62 @@ where
     A: ChunkIo,
     B: ChunkIo,
 {
+    if config.splice
+        && let (Some(a), Some(b)) = (a.as_tcp(), b.as_tcp())
+    {
+        return crate::splice::splice_bidirectional(a, b).await;
+    }
     let mut a_to_b = Direction::new(config);
     let mut b_to_a = Direction::new(config);
+    drive_both(|cx, from| match from {
+        Side::A => (a_to_b.poll_copy(cx, &mut a, &mut b), a_to_b.copied),
+        Side::B => (b_to_a.poll_copy(cx, &mut b, &mut a), b_to_a.copied),
+    })
+    .await
+}
+
+/// What failed in one direction: the operation and its error.
+pub(crate) type StepError = (Operation, io::Error);
+
+/// Drives both directions of a copy until both are done. `step(cx, from)`
+/// polls the direction reading from side `from` and returns its poll and the
+/// bytes it has written so far; a direction that failed ends the copy, its
+/// read error blamed on `from`, its write error on the other side.
+pub(crate) async fn drive_both(
+    mut step: impl FnMut(&mut Context<'_>, Side) -> (Poll<Result<(), StepError>>, u64),
+) -> Result<(u64, u64), CopyError> {
+    let mut done = [false, false];
+    let mut copied = [0u64, 0u64];
     poll_fn(|cx| {
-        let fail = |side, (operation, source), a_to_b: &Direction, b_to_a: &Direction| {
-            Poll::Ready(Err(CopyError::Io {
-                side,
-                operation,
-                a_to_b: a_to_b.copied,
-                b_to_a: b_to_a.copied,
-                source,
-            }))
-        };
-        let ab = match a_to_b.poll_copy(cx, &mut a, &mut b) {
-            Poll::Ready(Err((Operation::Read, e))) => {
-                return fail(Side::A, (Operation::Read, e), &a_to_b, &b_to_a);
+        for (i, (from, to)) in [(Side::A, Side::B), (Side::B, Side::A)]
+            .into_iter()
+            .enumerate()
+        {
+            if done[i] {
+                continue;
             }
-            Poll::Ready(Err(e)) => return fail(Side::B, e, &a_to_b, &b_to_a),
-            Poll::Ready(Ok(())) => true,
-            Poll::Pending => false,
-        };
-        let ba = match b_to_a.poll_copy(cx, &mut b, &mut a) {
-            Poll::Ready(Err((Operation::Read, e))) => {
-                return fail(Side::B, (Operation::Read, e), &a_to_b, &b_to_a);
+            let (poll, n) = step(cx, from);
+            copied[i] = n;
+            match poll {
+                Poll::Ready(Ok(())) => done[i] = true,
+                Poll::Ready(Err((operation, source))) => {
+                    return Poll::Ready(Err(CopyError::Io {
+                        side: if operation == Operation::Read {
+                            from
+                        } else {
+                            to
+                        },
+                        operation,
+                        a_to_b: copied[0],
+                        b_to_a: copied[1],
+                        source,
+                    }));
+                }
+                Poll::Pending => {}
             }
-            Poll::Ready(Err(e)) => return fail(Side::A, e, &a_to_b, &b_to_a),
-            Poll::Ready(Ok(())) => true,
-            Poll::Pending => false,
-        };
-        if ab && ba {
-            Poll::Ready(Ok((a_to_b.copied, b_to_a.copied)))
+        }
+        if done == [true, true] {
+            Poll::Ready(Ok((copied[0], copied[1])))
         } else {
             Poll::Pending
         }
@@ -298,8 +346,6 @@ struct Direction {
     done: bool,
     config: CopyConfig,
 }
-
-type StepError = (Operation, io::Error);
 
 impl Direction {
     fn new(config: &CopyConfig) -> Self {
@@ -409,20 +455,14 @@ mod tests {
     use std::time::Duration;
 
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::{TcpListener, TcpStream};
+    use tokio::net::TcpStream;
     use tokio::time::timeout;
 
     use super::*;
 
     const WAIT: Duration = Duration::from_secs(30);
 
-    /// A connected loopback pair.
-    async fn pair() -> (TcpStream, TcpStream) {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let (c, s) = tokio::join!(TcpStream::connect(addr), l.accept());
-        (c.unwrap(), s.unwrap().0)
-    }
+    use crate::test_support::loopback_pair as pair;
 
     fn pattern(len: usize) -> Vec<u8> {
         (0..len).map(|i| (i * 31 % 251) as u8).collect()
@@ -430,22 +470,50 @@ mod tests {
 
     /// client ⇄ [proxy a | copy | proxy b] ⇄ server; returns (client,
     /// server, copy task).
-    async fn proxied() -> (
+    async fn proxied(
+        splice: bool,
+    ) -> (
         TcpStream,
         TcpStream,
         tokio::task::JoinHandle<Result<(u64, u64), CopyError>>,
     ) {
         let (client, proxy_a) = pair().await;
         let (proxy_b, server) = pair().await;
-        let task = tokio::spawn(async move {
-            copy_bidirectional(proxy_a, proxy_b, &CopyConfig::default()).await
-        });
+        let config = CopyConfig {
+            splice,
+            ..CopyConfig::default()
+        };
+        let task = tokio::spawn(async move { copy_bidirectional(proxy_a, proxy_b, &config).await });
         (client, server, task)
     }
 
-    #[tokio::test]
-    async fn echoes_a_large_payload_intact_and_counts_bytes() {
-        let (client, server, copy) = proxied().await;
+    /// Each scenario runs through the buffered copy and through splice.
+    macro_rules! both_ways {
+        ($($scenario:ident),* $(,)?) => {
+            mod buffered {
+                $(#[tokio::test]
+                async fn $scenario() {
+                    super::$scenario(false).await
+                })*
+            }
+            mod spliced {
+                $(#[tokio::test]
+                async fn $scenario() {
+                    super::$scenario(true).await
+                })*
+            }
+        };
+    }
+
+    both_ways!(
+        echoes_a_large_payload_intact_and_counts_bytes,
+        client_half_close_still_receives_the_response,
+        server_half_close_keeps_the_client_direction_open,
+        reset_is_an_error_that_reports_bytes_copied,
+    );
+
+    async fn echoes_a_large_payload_intact_and_counts_bytes(splice: bool) {
+        let (client, server, copy) = proxied(splice).await;
         // The server echoes everything back, then closes its write side.
         let echo = tokio::spawn(async move {
             let (mut r, mut w) = server.into_split();
@@ -463,9 +531,8 @@ mod tests {
         assert_eq!(counts, (LEN as u64, LEN as u64));
     }
 
-    #[tokio::test]
-    async fn client_half_close_still_receives_the_response() {
-        let (mut client, mut server, copy) = proxied().await;
+    async fn client_half_close_still_receives_the_response(splice: bool) {
+        let (mut client, mut server, copy) = proxied(splice).await;
         client.write_all(b"request").await.unwrap();
         client.shutdown().await.unwrap();
         // The server sees the request and then EOF, and only then answers.
@@ -488,9 +555,8 @@ mod tests {
         assert_eq!(counts, (7, response.len() as u64));
     }
 
-    #[tokio::test]
-    async fn server_half_close_keeps_the_client_direction_open() {
-        let (mut client, mut server, copy) = proxied().await;
+    async fn server_half_close_keeps_the_client_direction_open(splice: bool) {
+        let (mut client, mut server, copy) = proxied(splice).await;
         server.write_all(b"banner").await.unwrap();
         server.shutdown().await.unwrap();
         let mut got = Vec::new();
@@ -512,9 +578,8 @@ mod tests {
         assert_eq!(counts, (10, 6));
     }
 
-    #[tokio::test]
-    async fn reset_is_an_error_that_reports_bytes_copied() {
-        let (mut client, server, copy) = proxied().await;
+    async fn reset_is_an_error_that_reports_bytes_copied(splice: bool) {
+        let (mut client, server, copy) = proxied(splice).await;
         client.write_all(b"hello").await.unwrap();
         let mut server = server;
         let mut buf = [0u8; 5];

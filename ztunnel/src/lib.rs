@@ -38,6 +38,7 @@ pub mod inpod;
 pub mod metrics;
 pub mod proxy;
 pub mod rbac;
+pub mod splice;
 pub mod state;
 pub mod xds;
 

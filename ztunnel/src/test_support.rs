@@ -131,6 +131,14 @@ pub(crate) async fn echo_server() -> SocketAddr {
     addr
 }
 
+/// A connected TCP pair on 127.0.0.1: (connecting end, accepted end).
+pub(crate) async fn loopback_pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let (c, s) = tokio::join!(tokio::net::TcpStream::connect(addr), l.accept());
+    (c.unwrap(), s.unwrap().0)
+}
+
 /// Writes `data` to `stream`, half-closes it, and returns everything read
 /// back until EOF (at most 30 s).
 pub(crate) async fn roundtrip<S: AsyncRead + AsyncWrite + Send + 'static>(
