@@ -10,7 +10,10 @@
 //!   mutual authentication) between the relays, one TLS session per
 //!   connection, no HTTP/2;
 //! * **ztunnel**: `mesh/client` → `mesh/server` through both ztunnels
-//!   (outbound capture → HBONE → inbound delivery).
+//!   (outbound capture → HBONE → inbound delivery);
+//! * **passthrough** (only when `PATHS` names it): `mesh/client` →
+//!   `plain/server`, captured and relayed in plaintext by node-1's ztunnel
+//!   (two TCP hops; `splice(2)` unless the ztunnels run with `SPLICE=false`).
 //!
 //! ```sh
 //! cargo build --release --workspace --bins
@@ -19,7 +22,7 @@
 //!
 //! Knobs: `SECS` (5; each latency phase), `BULK_SECS` (min(SECS, 5)),
 //! `CONN_SECS` (3), `REPS` (3; rotated path order), `RATES` (1000,5000),
-//! `IDLE_CONNS` (2000), `PATHS` (subset of no-mesh,floor,floor-tls,ztunnel),
+//! `IDLE_CONNS` (2000), `PATHS` (subset of no-mesh,floor,floor-tls,ztunnel,passthrough),
 //! `BINS` (directory of the mesh binaries; default target/release),
 //! `PERF_DIR` + `PERF_PATHS` (default ztunnel): `perf record -g` of those
 //! paths' proxies during bulk 1 and the closed loop of the first rep.
@@ -62,8 +65,16 @@ const SINK_PORT: u16 = 7001;
 /// Floor relays: client side listens on 71x0 (sink) / 71x1 (echo), server
 /// side on 72x0 / 72x1; x = 0 plaintext, 1 TLS.
 const FLOOR_PORTS: [u16; 2] = [7100, 7110];
-const NAMES: [&str; 4] = ["no-mesh", "floor", "floor-tls", "ztunnel"];
-const HEADINGS: [&str; 4] = ["no mesh", "floor", "floor + TLS", "ztunnel (HBONE)"];
+/// The paths; the first four run by default, `passthrough` (ztunnel's
+/// plaintext path to a pod outside the mesh) when `PATHS` names it.
+const NAMES: [&str; 5] = ["no-mesh", "floor", "floor-tls", "ztunnel", "passthrough"];
+const HEADINGS: [&str; 5] = [
+    "no mesh",
+    "floor",
+    "floor + TLS",
+    "ztunnel (HBONE)",
+    "ztunnel passthrough",
+];
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -278,27 +289,26 @@ fn run(cluster: &LocalCluster, k: &Knobs, reps: usize) -> Result<()> {
         sink_bytes: plain_bytes.clone(),
         pids: pids.iter().map(|r| r.pid).collect(),
     };
+    // From `client` straight to `server`'s sink and echo (through
+    // whatever captures the client's traffic).
+    let direct = |name, client: &PodNet, server: &PodNet, bytes: &Arc<AtomicU64>, pids| Path {
+        name,
+        client: client.clone(),
+        sink: server.addr(SINK_PORT),
+        echo: server.addr(ECHO_PORT),
+        sink_bytes: bytes.clone(),
+        pids,
+    };
     let all = [
-        Path {
-            name: NAMES[0],
-            client: plain[0].clone(),
-            sink: plain[1].addr(SINK_PORT),
-            echo: plain[1].addr(ECHO_PORT),
-            sink_bytes: plain_bytes.clone(),
-            pids: vec![],
-        },
+        direct(NAMES[0], &plain[0], &plain[1], &plain_bytes, vec![]),
         floor_path(0, NAMES[1], &floor),
         floor_path(1, NAMES[2], &floor_tls),
-        Path {
-            name: NAMES[3],
-            client: mesh[0].clone(),
-            sink: mesh[1].addr(SINK_PORT),
-            echo: mesh[1].addr(ECHO_PORT),
-            sink_bytes: mesh_bytes.clone(),
-            pids: zts,
-        },
+        direct(NAMES[3], &mesh[0], &mesh[1], &mesh_bytes, zts.clone()),
+        // The mesh client to the plain server: captured, then relayed by
+        // node-1's ztunnel in plaintext (two TCP hops, no HBONE).
+        direct(NAMES[4], &mesh[0], &plain[1], &plain_bytes, zts),
     ];
-    let chosen = std::env::var("PATHS").unwrap_or_else(|_| NAMES.join(","));
+    let chosen = std::env::var("PATHS").unwrap_or_else(|_| NAMES[..4].join(","));
     let paths: Vec<&Path> = all
         .iter()
         .filter(|p| chosen.split(',').any(|c| c == p.name))
@@ -332,13 +342,21 @@ fn report_all(paths: &[&Path], recs: &[Record], machine: &Record, k: &Knobs, rep
         .collect();
     let refs: Vec<&Record> = recs.iter().collect();
     report::table(&names, &refs);
-    if paths.len() == 4 {
-        let rate = k.rates.first().copied().unwrap_or(1000.0);
-        report::goals(&recs[0], &recs[1], &recs[2], &recs[3], rate);
-    }
     let find = |n: &str| paths.iter().position(|p| p.name == n).map(|i| &recs[i]);
+    if let (Some(n), Some(f), Some(t), Some(z)) = (
+        find("no-mesh"),
+        find("floor"),
+        find("floor-tls"),
+        find("ztunnel"),
+    ) {
+        let rate = k.rates.first().copied().unwrap_or(1000.0);
+        report::goals(n, f, t, z, rate);
+    }
     if let (Some(t), Some(z)) = (find("floor-tls"), find("ztunnel")) {
-        report::ratios(t, z);
+        report::ratios("ztunnel / floor+TLS", t, z);
+    }
+    if let (Some(f), Some(p)) = (find("floor"), find("passthrough")) {
+        report::ratios("passthrough / floor", f, p);
     }
 }
 
@@ -350,10 +368,22 @@ fn idle_phase(
     k: &Knobs,
     recs: &mut [Record],
 ) -> Result<()> {
+    let mut measured: Vec<u32> = Vec::new();
     for (p, rec) in paths.iter().zip(recs.iter_mut()) {
         if p.pids.is_empty() {
             continue;
         }
+        // The passthrough path rides the ztunnels the HBONE path measured
+        // just before (their idle connections still open): its figures
+        // would not be its own.
+        if p.pids.iter().all(|pid| measured.contains(pid)) {
+            println!(
+                "{}: idle figures skipped (proxies already measured)",
+                p.name
+            );
+            continue;
+        }
+        measured.extend(&p.pids);
         let mems: Vec<load::Mem> = p.pids.iter().map(|pid| load::mem(*pid)).collect();
         let largest = mems.iter().map(|m| m.rss).max().unwrap_or(0) as f64 / 1024.0;
         let anon = mems.iter().map(|m| m.anon).max().unwrap_or(0) as f64 / 1024.0;

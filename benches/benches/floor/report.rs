@@ -186,10 +186,10 @@ pub fn goals(plain: &Record, floor: &Record, tls: &Record, zt: &Record, rate1k: 
     );
 }
 
-/// The short form's lines: each proxy path's figures as ratios to the
-/// floor + TLS (noise shared by both cancels out).
-pub fn ratios(tls: &Record, zt: &Record) {
-    println!("\n| ztunnel / floor+TLS | ratio |\n|---|---|");
+/// The short form's lines: a path's figures as ratios to a reference path
+/// measured in the same run (noise shared by both cancels out).
+pub fn ratios(title: &str, base: &Record, path: &Record) {
+    println!("\n| {title} | ratio |\n|---|---|");
     for key in [
         "bulk 1: Gbit/s",
         "bulk 1: proxy CPU-s per GB",
@@ -198,6 +198,6 @@ pub fn ratios(tls: &Record, zt: &Record) {
         "new conns: per s",
         "new conns: proxy CPU-ms per 1k",
     ] {
-        println!("| {key} | {:.2} |", zt.median(key) / tls.median(key));
+        println!("| {key} | {:.2} |", path.median(key) / base.median(key));
     }
 }
