@@ -245,7 +245,9 @@ async fn direct(
     downstream: &mut TcpStream,
     addr: SocketAddr,
 ) -> Result<(u64, u64), ProxyError> {
-    let upstream = pod.connect(ctx, addr, None).await?;
+    // Boxed (as every setup step of a connection): its state is freed once
+    // it completes instead of sizing the connection's task for its life.
+    let upstream = Box::pin(pod.connect(ctx, addr, None)).await?;
     copy_until_drained(pod, downstream, upstream, &ctx.cfg.copy, None).await
 }
 
@@ -263,7 +265,7 @@ async fn hbone(
     target: SocketAddr,
     headers: HeaderMap,
 ) -> Result<(u64, u64), ProxyError> {
-    let cert = ctx.certificate(src_id).await?;
+    let cert = Box::pin(ctx.certificate(src_id)).await?;
     let key = PoolKey {
         src: src_id.clone(),
         dst: dst_id.clone(),
@@ -274,18 +276,16 @@ async fn hbone(
         sockets: pod.sockets.clone(),
         mark: ctx.cfg.mark,
     };
-    let stream = ctx
-        .pool
-        .stream(
-            key,
-            peer,
-            &dialer,
-            || ctx.client_config(&cert, &dst_id),
-            target,
-            headers,
-        )
-        .await
-        .map_err(|source| ProxyError::Hbone { target, source })?;
+    let stream = Box::pin(ctx.pool.stream(
+        key,
+        peer,
+        &dialer,
+        || ctx.client_config(&cert, &dst_id),
+        target,
+        headers,
+    ))
+    .await
+    .map_err(|source| ProxyError::Hbone { target, source })?;
     copy_until_drained(pod, downstream, stream, &ctx.cfg.copy, None).await
 }
 
