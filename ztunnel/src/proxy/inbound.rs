@@ -242,13 +242,16 @@ async fn hbone_stream(
     drop(snap);
     let result = ConnectionResult::new(open, &ctx.metrics);
     let span = result.span().clone();
+    let attrs = ConnectionAttrs::mtls(
+        req.peer_addr.ip(),
+        PeerIdentity::new(&req.peer_identity),
+        dst.ip(),
+        dst.port(),
+    );
+    // Nothing below needs the request (its headers are on the heap): free it
+    // now rather than when the connection ends.
+    drop(req);
     async move {
-        let attrs = ConnectionAttrs::mtls(
-            req.peer_addr.ip(),
-            PeerIdentity::new(&req.peer_identity),
-            dst.ip(),
-            dst.port(),
-        );
         let outcome = async {
             let (_registration, revoked) = register(&ctx, &pod, attrs.clone());
             let upstream = match Box::pin(connect_app(&ctx, &pod, &attrs, dst)).await {
