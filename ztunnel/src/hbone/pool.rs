@@ -8,10 +8,11 @@
 //!   [`PoolConfig::spread_connections`] connections, a stream that would
 //!   share a busy connection gets a new one instead (falling back to the busy
 //!   one if that dial fails): each connection is one TLS session driven by
-//!   one task, so parallel flows to a peer spread over the worker threads. Concurrent requests that find no free connection for a
-//!   key coalesce: a per-key async mutex is held only around the dial, and
-//!   whoever waited on it looks at the pool again before dialing itself. A
-//!   waiter whose key saw a dial fail while it waited fails fast with
+//!   one task, so parallel flows to a peer spread over the worker threads.
+//!   Concurrent requests that find no free connection for a key coalesce:
+//!   a per-key async mutex is held only around the dial, and whoever waited
+//!   on it looks at the pool again before dialing itself. A waiter whose key
+//!   saw a dial fail while it waited fails fast with
 //!   [`PoolError::PeerUnavailable`] instead of dialing again.
 //! * A stream slot is reserved (under a short std mutex) before the
 //!   `CONNECT` is sent and released when the returned [`PooledStream`] is

@@ -131,6 +131,18 @@ impl Mesh {
         key: &PoolKey,
         dst: SocketAddr,
     ) -> Result<PooledStream, PoolError> {
+        self.stream_via(pool, &TcpDialer, cert, key, dst).await
+    }
+
+    /// [`Mesh::stream_with`], dialing new connections with `dialer`.
+    async fn stream_via(
+        &self,
+        pool: &HbonePool,
+        dialer: &dyn Dialer,
+        cert: &WorkloadCertificate,
+        key: &PoolKey,
+        dst: SocketAddr,
+    ) -> Result<PooledStream, PoolError> {
         let bundle = self.ca.bundle();
         let expected = key.dst.clone();
         timeout(
@@ -138,7 +150,7 @@ impl Mesh {
             pool.stream(
                 key.clone(),
                 dst,
-                &TcpDialer,
+                dialer,
                 || client_config(cert, &bundle, expected.clone()).map(Arc::new),
                 self.echo,
                 HeaderMap::new(),
@@ -424,30 +436,7 @@ async fn a_failed_spreading_dial_shares_the_busy_connection() {
     let key = m.key(&server_id, &server);
     let pool = HbonePool::default();
     let dialer = OneDial(AtomicUsize::new(0));
-    let bundle = m.ca.bundle();
-    let stream = || {
-        let expected = key.dst.clone();
-        let bundle = bundle.clone();
-        let cert = &m.client;
-        let pool = &pool;
-        let dialer = &dialer;
-        let key = key.clone();
-        async move {
-            timeout(
-                WAIT,
-                pool.stream(
-                    key,
-                    server.addr,
-                    dialer,
-                    || client_config(cert, &bundle, expected.clone()).map(Arc::new),
-                    m.echo,
-                    HeaderMap::new(),
-                ),
-            )
-            .await
-            .unwrap()
-        }
-    };
+    let stream = || m.stream_via(&pool, &dialer, &m.client, &key, server.addr);
 
     let s1 = stream().await.unwrap();
     // The extra connection cannot be dialed: the stream shares the first

@@ -254,7 +254,7 @@ async fn hbone_stream(
     async move {
         let outcome = async {
             let (_registration, revoked) = register(&ctx, &pod, attrs.clone());
-            let upstream = match Box::pin(connect_app(&ctx, &pod, &attrs, dst)).await {
+            let upstream = match connect_app(&ctx, &pod, &attrs, dst).await {
                 Ok(upstream) => upstream,
                 Err(e) => {
                     pending.refuse(StatusCode::SERVICE_UNAVAILABLE);
@@ -309,7 +309,7 @@ where
     S: crate::copy::ChunkIo,
 {
     let (_registration, revoked) = register(ctx, pod, attrs.clone());
-    let upstream = Box::pin(connect_app(ctx, pod, &attrs, dst)).await?;
+    let upstream = connect_app(ctx, pod, &attrs, dst).await?;
     copy_until_drained(pod, downstream, upstream, &ctx.cfg.copy, Some(revoked)).await
 }
 
