@@ -157,18 +157,19 @@ impl ChunkIo for TcpStream {
         buf: &mut BytesMut,
         want: usize,
     ) -> Poll<io::Result<Bytes>> {
-        loop {
-            ready!(self.poll_read_ready(cx))?;
-            // Allocated (or reclaimed) only now that bytes are waiting; at
-            // most `want` are read even into a larger reused buffer.
-            buf.reserve(want);
-            match self.try_read_buf(&mut (&mut *buf).limit(want)) {
-                Ok(_) => return Poll::Ready(Ok(buf.split().freeze())),
-                // Spurious readiness; `try_read_buf` cleared it.
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Poll::Ready(Err(e)),
-            }
-        }
+        ready!(self.poll_read_ready(cx))?;
+        // Allocated (or reclaimed) only now that bytes are waiting; at most
+        // `want` are read even into a larger reused buffer. Read through
+        // `AsyncRead` (not `try_read_buf`): a short read clears the socket's
+        // readiness, so a request/response message costs one `recvfrom`,
+        // not one plus the would-block read after it.
+        buf.reserve(want);
+        ready!(tokio_util::io::poll_read_buf(
+            Pin::new(&mut *self),
+            cx,
+            &mut (&mut *buf).limit(want)
+        ))?;
+        Poll::Ready(Ok(buf.split().freeze()))
     }
 
     fn as_tcp(&self) -> Option<&TcpStream> {
