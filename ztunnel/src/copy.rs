@@ -260,27 +260,34 @@ impl CopyError {
 /// `(A→B, B→A)`; on error, [`CopyError::copied`] tells what got through.
 /// Two TCP sockets are relayed with `splice(2)` when
 /// [`CopyConfig::splice`] is on.
-pub async fn copy_bidirectional<A, B>(
+///
+/// A plain fn returning an `async move` block, not an `async fn`: an async
+/// fn's future keeps each argument twice (as captured, and as moved into
+/// the body), and this future lives as long as the connection.
+#[allow(clippy::manual_async_fn)] // an async fn would hold its arguments twice
+pub fn copy_bidirectional<A, B>(
     mut a: A,
     mut b: B,
     config: &CopyConfig,
-) -> Result<(u64, u64), CopyError>
+) -> impl Future<Output = Result<(u64, u64), CopyError>>
 where
     A: ChunkIo,
     B: ChunkIo,
 {
-    if config.splice
-        && let (Some(a), Some(b)) = (a.as_tcp(), b.as_tcp())
-    {
-        return crate::splice::splice_bidirectional(a, b).await;
+    async move {
+        if config.splice
+            && let (Some(a), Some(b)) = (a.as_tcp(), b.as_tcp())
+        {
+            return crate::splice::splice_bidirectional(a, b).await;
+        }
+        let mut a_to_b = Direction::new(config);
+        let mut b_to_a = Direction::new(config);
+        drive_both(|cx, from| match from {
+            Side::A => (a_to_b.poll_copy(cx, &mut a, &mut b), a_to_b.copied),
+            Side::B => (b_to_a.poll_copy(cx, &mut b, &mut a), b_to_a.copied),
+        })
+        .await
     }
-    let mut a_to_b = Direction::new(config);
-    let mut b_to_a = Direction::new(config);
-    drive_both(|cx, from| match from {
-        Side::A => (a_to_b.poll_copy(cx, &mut a, &mut b), a_to_b.copied),
-        Side::B => (b_to_a.poll_copy(cx, &mut b, &mut a), b_to_a.copied),
-    })
-    .await
 }
 
 /// What failed in one direction: the operation and its error.

@@ -158,3 +158,9 @@ pub(crate) async fn roundtrip<S: AsyncRead + AsyncWrite + Send + 'static>(
     writer.await.unwrap();
     got
 }
+
+/// The size of the future `make` would return, without calling it: how
+/// much a task running it holds for its whole life.
+pub fn future_size<F: std::future::Future>(_make: &dyn Fn() -> F) -> usize {
+    std::mem::size_of::<F>()
+}

@@ -313,7 +313,13 @@ pub async fn idle_conns(p: &Path, n: usize) -> Result<(f64, f64)> {
         held.push(s);
     }
     let took = t.elapsed().as_secs_f64();
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // `IDLE_HOLD_SECS` (default 1) keeps them open longer, e.g. to take a
+    // heap snapshot of the proxies while they hold `n` connections.
+    let hold = std::env::var("IDLE_HOLD_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    tokio::time::sleep(Duration::from_secs(hold)).await;
     let after = rss(&p.pids);
     drop(held);
     tokio::time::sleep(Duration::from_millis(500)).await;

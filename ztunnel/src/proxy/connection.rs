@@ -16,42 +16,46 @@ use crate::drain::DRAIN_DEADLINE;
 
 /// Copies both ways until done; once the pod drains, gives the connection
 /// [`DRAIN_DEADLINE`] more, then closes it. A revoked connection (a policy
-/// change denies it) is closed at once.
-pub(super) async fn copy_until_drained<A, B>(
-    pod: &PodContext,
+/// change denies it) is closed at once. (An `async move` block, not an
+/// `async fn`, so the streams are held once: see [`copy_bidirectional`].)
+#[allow(clippy::manual_async_fn)] // an async fn would hold its arguments twice
+pub(super) fn copy_until_drained<'a, A, B>(
+    pod: &'a PodContext,
     a: A,
     b: B,
-    cfg: &CopyConfig,
+    cfg: &'a CopyConfig,
     revoked: Option<live::Revoked>,
-) -> Result<(u64, u64), ProxyError>
+) -> impl Future<Output = Result<(u64, u64), ProxyError>> + 'a
 where
-    A: ChunkIo,
-    B: ChunkIo,
+    A: ChunkIo + 'a,
+    B: ChunkIo + 'a,
 {
-    let copy = copy_bidirectional(a, b, cfg);
-    tokio::pin!(copy);
-    let revoked = async {
-        match revoked {
-            // A dropped sender means "no longer tracked", not "revoked".
-            Some(rx) => match rx.await {
-                Ok(policy) => policy,
-                Err(_) => std::future::pending().await,
-            },
-            None => std::future::pending().await,
+    async move {
+        let copy = copy_bidirectional(a, b, cfg);
+        tokio::pin!(copy);
+        let revoked = async {
+            match revoked {
+                // A dropped sender means "no longer tracked", not "revoked".
+                Some(rx) => match rx.await {
+                    Ok(policy) => policy,
+                    Err(_) => std::future::pending().await,
+                },
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(revoked);
+        tokio::select! {
+            r = &mut copy => return r.map_err(ProxyError::from),
+            policy = &mut revoked => return Err(ProxyError::Revoked { policy }),
+            _ = pod.drain.signaled() => {}
         }
-    };
-    tokio::pin!(revoked);
-    tokio::select! {
-        r = &mut copy => return r.map_err(ProxyError::from),
-        policy = &mut revoked => return Err(ProxyError::Revoked { policy }),
-        _ = pod.drain.signaled() => {}
-    }
-    tokio::select! {
-        r = tokio::time::timeout(DRAIN_DEADLINE, copy) => match r {
-            Ok(r) => r.map_err(ProxyError::from),
-            Err(_) => Err(ProxyError::Drained),
-        },
-        policy = revoked => Err(ProxyError::Revoked { policy }),
+        tokio::select! {
+            r = tokio::time::timeout(DRAIN_DEADLINE, copy) => match r {
+                Ok(r) => r.map_err(ProxyError::from),
+                Err(_) => Err(ProxyError::Drained),
+            },
+            policy = revoked => Err(ProxyError::Revoked { policy }),
+        }
     }
 }
 
