@@ -17,9 +17,11 @@
 //! as the close (including the final `response_flags`); a long-lived
 //! connection's bytes therefore show up when it closes.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
@@ -322,9 +324,25 @@ pub struct TcpMetrics {
     /// Open connections and the last closed ones, one record each
     /// (`super::recent`).
     pub connections: ConnectionTable,
+    /// One shared copy of each label set in use: an open connection holds
+    /// a pointer to its labels, not ~0.8 KB of its own strings. Grows as
+    /// the families do (they keep every label set too).
+    interned: Arc<Mutex<HashSet<Arc<TcpLabels>>>>,
 }
 
 impl TcpMetrics {
+    /// The shared copy of `labels`.
+    fn intern(&self, labels: TcpLabels) -> Arc<TcpLabels> {
+        // A panic while holding this lock leaves a consistent set.
+        let mut set = self.interned.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(shared) = set.get(&labels) {
+            return shared.clone();
+        }
+        let shared = Arc::new(labels);
+        set.insert(shared.clone());
+        shared
+    }
+
     /// Registers the families in `registry` (the encoder adds `_total`).
     pub fn register(&self, registry: &mut Registry) {
         registry.register(
@@ -360,7 +378,7 @@ impl TcpMetrics {
 #[derive(Debug)]
 pub struct ConnectionResult {
     metrics: TcpMetrics,
-    labels: TcpLabels,
+    labels: Arc<TcpLabels>,
     src: SocketAddr,
     dst: SocketAddr,
     src_name: String,
@@ -381,7 +399,7 @@ impl ConnectionResult {
     /// (`connection{src, dst, direction}`); instrument the connection's task
     /// with [`ConnectionResult::span`].
     pub fn new(open: ConnectionOpen, metrics: &TcpMetrics) -> Self {
-        let labels = TcpLabels::new(&open);
+        let labels = metrics.intern(TcpLabels::new(&open));
         metrics.opened.get_or_create(&labels).inc();
         let table_id = metrics.connections.open(table_record(&open));
         let span = tracing::info_span!(
@@ -479,8 +497,16 @@ impl ConnectionResult {
             return;
         }
         self.recorded = true;
-        self.labels.response_flags = flags;
-        let labels = &self.labels;
+        let flagged;
+        let labels = if flags == ResponseFlags::None {
+            &*self.labels
+        } else {
+            flagged = TcpLabels {
+                response_flags: flags,
+                ..TcpLabels::clone(&self.labels)
+            };
+            &flagged
+        };
         let sent = self.sent();
         let received = self.received();
         self.metrics.closed.get_or_create(labels).inc();
