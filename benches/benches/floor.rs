@@ -22,7 +22,8 @@
 //!
 //! Knobs: `SECS` (5; each latency phase), `BULK_SECS` (min(SECS, 5)),
 //! `CONN_SECS` (3), `REPS` (3; rotated path order), `RATES` (1000,5000),
-//! `IDLE_CONNS` (2000), `IDLE_HOLD_SECS` (1; how long they stay open), `PATHS` (subset of no-mesh,floor,floor-tls,ztunnel,passthrough),
+//! `IDLE_CONNS` (2000), `IDLE_HOLD_SECS` (1; how long they are held before
+//! RSS is read), `PATHS` (subset of no-mesh,floor,floor-tls,ztunnel,passthrough),
 //! `BINS` (directory of the mesh binaries; default target/release),
 //! `PERF_DIR` + `PERF_PATHS` (default ztunnel): `perf record -g` of those
 //! paths' proxies during bulk 1 and the closed loop of the first rep.
