@@ -61,17 +61,21 @@ where
 
 /// A connection's task: runs `setup` (plain code: resolution, policy, the
 /// connection's record) when the task first runs, then the future it
-/// returns, in place of it. The task is as large as the larger of the two,
-/// not both (an `async` wrapper would keep `setup`'s inputs beside the
-/// connection's future for its whole life), and a panic in `setup` stays in
-/// this connection's task, off the accept loop.
+/// returns, in place of it; nothing more when it returns `None` (a
+/// connection it refused or could not set up, already recorded or logged).
+/// The task is as large as the larger of the two, not both (an `async`
+/// wrapper would keep `setup`'s inputs beside the connection's future for
+/// its whole life), and a panic in `setup` stays in this connection's task,
+/// off the accept loop.
 pub(super) fn deferred<S, F>(setup: S) -> impl Future<Output = ()> + Send + 'static
 where
-    S: FnOnce() -> F + Send + 'static,
+    S: FnOnce() -> Option<F> + Send + 'static,
     F: Future<Output = ()> + Send + 'static,
 {
     use futures::FutureExt;
-    futures::future::lazy(move |_| setup()).flatten()
+    futures::future::lazy(move |_| futures::future::OptionFuture::from(setup()))
+        .flatten()
+        .map(drop)
 }
 
 /// Accepts until the pod drains; `handle` runs each connection as a task.

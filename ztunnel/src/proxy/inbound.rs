@@ -75,7 +75,7 @@ async fn hbone_connection(
     let authorize = |req: &ConnectRequest| authorize(&ctx, &pod, req);
     let handler = |req: ConnectRequest, pending: PendingConnect| {
         let (ctx, pod) = (ctx.clone(), pod.clone());
-        deferred(move || hbone_stream(ctx, pod, req, pending))
+        deferred(move || Some(hbone_stream(ctx, pod, req, pending)))
     };
     let serve = server.serve_until(tcp, authorize, handler, pod.drain.signaled());
     tokio::pin!(serve);
@@ -281,6 +281,7 @@ fn deliver_stream(
     result: ConnectionResult,
 ) -> impl Future<Output = ()> + Send + 'static {
     async move {
+        // The pod's guard lives as long as the stream.
         let _running = &guard;
         let (ctx, pod) = (&*ctx, &*pod);
         let (_registration, revoked) = register(ctx, pod, attrs.clone());
@@ -352,31 +353,27 @@ struct Accepted {
 
 /// One redirected plaintext connection: checked and recorded by
 /// [`accept_plaintext`] (plain code, when the task first runs: see
-/// [`deferred`]), then delivered. An `async move` block that uses what
-/// it captured in place: an async fn would keep the setup's values twice
-/// for the connection's life.
+/// [`deferred`]), then delivered; `None` when it was refused or its
+/// destination cannot be read (recorded or logged). An `async move` block
+/// that uses what it captured in place: an async fn would keep the setup's
+/// values twice for the connection's life.
 fn plaintext(
     ctx: Arc<ProxyContext>,
     pod: Arc<PodContext>,
     tcp: TcpStream,
     src: SocketAddr,
-) -> impl Future<Output = ()> + Send + 'static {
+) -> Option<impl Future<Output = ()> + Send + 'static> {
     let guard = pod.guard();
-    let mut accepted = accept_plaintext(&ctx, &pod, tcp, src);
-    let span = accepted
-        .as_ref()
-        .map_or_else(tracing::Span::none, |a| a.result.span().clone());
-    async move {
+    let mut accepted = accept_plaintext(&ctx, &pod, tcp, src)?;
+    let span = accepted.result.span().clone();
+    let delivery = async move {
+        // The pod's guard lives as long as the connection.
         let _running = &guard;
-        let Some(a) = accepted.as_mut() else {
-            return;
-        };
+        let a = &mut accepted;
         let outcome = deliver(&ctx, &pod, &mut a.tcp, &a.attrs, a.dst).await;
-        if let Some(a) = accepted {
-            finish(a.result, outcome);
-        }
-    }
-    .instrument(span)
+        finish(accepted.result, outcome);
+    };
+    Some(delivery.instrument(span))
 }
 
 /// Checks a plaintext connection (its destination, the pod's policy) and
@@ -442,7 +439,7 @@ mod task_size {
     #[test]
     fn inbound_connection_tasks_stay_small() {
         let stream = crate::test_support::future_size(&|| {
-            super::deferred(|| super::hbone_stream(todo!(), todo!(), todo!(), todo!()))
+            super::deferred(|| Some(super::hbone_stream(todo!(), todo!(), todo!(), todo!())))
         });
         assert!(stream <= 2_176, "inbound HBONE stream task: {stream} bytes");
         let plaintext = crate::test_support::future_size(&|| {

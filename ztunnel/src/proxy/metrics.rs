@@ -21,7 +21,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Instant;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
@@ -327,14 +327,24 @@ pub struct TcpMetrics {
     /// One shared copy of each label set in use: an open connection holds
     /// a pointer to its labels, not ~0.8 KB of its own strings. Grows as
     /// the families do (they keep every label set too).
-    interned: Arc<Mutex<HashSet<Arc<TcpLabels>>>>,
+    interned: Arc<RwLock<HashSet<Arc<TcpLabels>>>>,
 }
 
 impl TcpMetrics {
-    /// The shared copy of `labels`.
+    /// The shared copy of `labels`: a read lock when the set is known (the
+    /// common case), the write lock only to add a new one.
     fn intern(&self, labels: TcpLabels) -> Arc<TcpLabels> {
         // A panic while holding this lock leaves a consistent set.
-        let mut set = self.interned.lock().unwrap_or_else(PoisonError::into_inner);
+        let known = self.interned.read().unwrap_or_else(PoisonError::into_inner);
+        if let Some(shared) = known.get(&labels) {
+            return shared.clone();
+        }
+        drop(known);
+        let mut set = self
+            .interned
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        // Another connection may have added it between the two locks.
         if let Some(shared) = set.get(&labels) {
             return shared.clone();
         }

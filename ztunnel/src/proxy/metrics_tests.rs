@@ -168,6 +168,25 @@ fn failed_connection_records_its_flag() {
 }
 
 #[test]
+fn connections_with_the_same_labels_share_them_and_a_failure_does_not_change_them() {
+    let m = Metrics::new();
+    let a = ConnectionResult::new(open(SecurityPolicy::MutualTls), &m.tcp);
+    let b = ConnectionResult::new(open(SecurityPolicy::MutualTls), &m.tcp);
+    let c = ConnectionResult::new(open(SecurityPolicy::None), &m.tcp);
+    assert!(Arc::ptr_eq(&a.labels, &b.labels));
+    assert!(!Arc::ptr_eq(&a.labels, &c.labels));
+    // `a`'s failure is counted under its flag; `b`, sharing the labels,
+    // still closes under `-`.
+    capture_logs(|| a.fail(ResponseFlags::ConnectFailure, &"connection refused"));
+    capture_logs(|| b.finish());
+    let open_labels = TcpLabels::new(&open(SecurityPolicy::MutualTls));
+    assert_eq!(open_labels.response_flags, ResponseFlags::None);
+    assert_eq!(m.tcp.closed.get_or_create(&open_labels).get(), 1);
+    assert_eq!(m.tcp.opened.get_or_create(&open_labels).get(), 2);
+    drop(c);
+}
+
+#[test]
 fn access_log_is_written_once_with_bytes_and_duration() {
     let m = Metrics::new();
     let mut o = open(SecurityPolicy::MutualTls);

@@ -50,23 +50,22 @@ impl Dialer for PodDialer {
 }
 
 /// One redirected connection: set up by [`prepare`] (plain code, when the
-/// task first runs: see [`deferred`]), then carried by [`run`]. An async fn
-/// that set the connection up itself would keep its setup values (moved
-/// into `run` or not) in its own state for the connection's whole life
-/// (rustc's async layout).
+/// task first runs: see [`deferred`]), then carried by [`run`]; `None` when
+/// its original destination cannot be read (logged). An async fn that set
+/// the connection up itself would keep its setup values (moved into `run`
+/// or not) in its own state for the connection's whole life (rustc's async
+/// layout).
 fn handle(
     ctx: Arc<ProxyContext>,
     pod: Arc<PodContext>,
     downstream: TcpStream,
     src: SocketAddr,
     listener: Option<SocketAddr>,
-) -> impl Future<Output = ()> + Send + 'static {
+) -> Option<impl Future<Output = ()> + Send + 'static> {
     let guard = pod.guard();
-    let conn = prepare(&ctx, &pod, &downstream, src);
-    let span = conn
-        .as_ref()
-        .map_or_else(tracing::Span::none, |c| c.result.span().clone());
-    run(ctx, pod, guard, downstream, listener, conn).instrument(span)
+    let conn = prepare(&ctx, &pod, &downstream, src)?;
+    let span = conn.result.span().clone();
+    Some(run(ctx, pod, guard, downstream, listener, conn).instrument(span))
 }
 
 /// What [`prepare`] decided about a connection.
@@ -186,7 +185,7 @@ fn prepare(
 }
 
 /// Connects as `conn.resolved` says and copies until the connection ends,
-/// then records how it ended; nothing when [`prepare`] gave up (logged).
+/// then records how it ended.
 /// An `async move` block, not an `async fn` (which would keep each argument
 /// twice for the connection's life): the captured values are used in place.
 #[allow(clippy::manual_async_fn)] // an async fn would hold its arguments twice
@@ -196,13 +195,11 @@ fn run(
     guard: super::pod::ConnGuard,
     mut downstream: TcpStream,
     listener: Option<SocketAddr>,
-    prepared: Option<Prepared>,
+    conn: Prepared,
 ) -> impl Future<Output = ()> + Send + 'static {
     async move {
+        // The pod's guard lives as long as the connection.
         let _running = &guard;
-        let Some(conn) = prepared.as_ref() else {
-            return;
-        };
         let (ctx, pod) = (&*ctx, &*pod);
         let src = conn.src;
         let outcome = match &conn.resolved {
@@ -278,9 +275,7 @@ fn run(
         if refused {
             let _ = socket2::SockRef::from(&downstream).set_linger(Some(std::time::Duration::ZERO));
         }
-        if let Some(conn) = prepared {
-            finish(conn.result, outcome);
-        }
+        finish(conn.result, outcome);
         drop(downstream);
     }
 }
