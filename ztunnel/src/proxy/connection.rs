@@ -3,8 +3,11 @@
 //! and policy revocation, the original destination of a redirected
 //! connection, and recording its outcome (metrics + one access-log line).
 
+use std::future::poll_fn;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use tokio::net::TcpStream;
@@ -16,8 +19,11 @@ use crate::drain::DRAIN_DEADLINE;
 
 /// Copies both ways until done; once the pod drains, gives the connection
 /// [`DRAIN_DEADLINE`] more, then closes it. A revoked connection (a policy
-/// change denies it) is closed at once. (An `async move` block, not an
-/// `async fn`, so the streams are held once: see [`copy_bidirectional`].)
+/// change denies it) is closed at once.
+///
+/// Sized for a connection's life: the copy is boxed when this is called,
+/// so the streams live only inside it (an async block capturing them would
+/// keep their moved-from slots too), and the revocation is polled in place.
 #[allow(clippy::manual_async_fn)] // an async fn would hold its arguments twice
 pub(super) fn copy_until_drained<'a, A, B>(
     pod: &'a PodContext,
@@ -30,23 +36,25 @@ where
     A: ChunkIo + 'a,
     B: ChunkIo + 'a,
 {
+    let mut copy = Box::pin(copy_bidirectional(a, b, cfg));
+    let mut revoked = revoked;
     async move {
-        let copy = copy_bidirectional(a, b, cfg);
-        tokio::pin!(copy);
-        let revoked = async {
-            match revoked {
-                // A dropped sender means "no longer tracked", not "revoked".
-                Some(rx) => match rx.await {
-                    Ok(policy) => policy,
-                    Err(_) => std::future::pending().await,
-                },
-                None => std::future::pending().await,
-            }
-        };
-        tokio::pin!(revoked);
+        // Ready with the denying policy once revoked; a dropped sender
+        // means "no longer tracked", not "revoked".
+        let mut revocation = poll_fn(|cx| match revoked.as_mut() {
+            Some(rx) => match Pin::new(rx).poll(cx) {
+                Poll::Ready(Ok(policy)) => Poll::Ready(policy),
+                Poll::Ready(Err(_)) => {
+                    revoked = None;
+                    Poll::Pending
+                }
+                Poll::Pending => Poll::Pending,
+            },
+            None => Poll::Pending,
+        });
         tokio::select! {
             r = &mut copy => return r.map_err(ProxyError::from),
-            policy = &mut revoked => return Err(ProxyError::Revoked { policy }),
+            policy = &mut revocation => return Err(ProxyError::Revoked { policy }),
             _ = pod.drain.signaled() => {}
         }
         tokio::select! {
@@ -54,7 +62,7 @@ where
                 Ok(r) => r.map_err(ProxyError::from),
                 Err(_) => Err(ProxyError::Drained),
             },
-            policy = revoked => Err(ProxyError::Revoked { policy }),
+            policy = revocation => Err(ProxyError::Revoked { policy }),
         }
     }
 }

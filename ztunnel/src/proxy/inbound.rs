@@ -19,6 +19,7 @@
 //! destination's.
 
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,7 +33,7 @@ use super::recent::trace_id_of;
 use super::resolve::is_waypoint_of;
 use super::{PodContext, ProxyContext, ProxyError, peer_info, workload_identity};
 use crate::drain::DRAIN_DEADLINE;
-use crate::hbone::{ConnectRequest, HboneServer, PendingConnect};
+use crate::hbone::{ConnectRequest, H2Stream, HboneServer, PendingConnect};
 use crate::identity::Identity;
 use crate::rbac::{ConnectionAttrs, Decision, PeerIdentity};
 use crate::state::{StateSnapshot, Workload};
@@ -269,7 +270,7 @@ fn open_stream(
 /// ends, registered as a live connection; records how it ended.
 /// An `async move` block, not an `async fn` (which would keep each
 /// argument twice for the stream's life): the captured values are used in
-/// place.
+/// place, and what only the setup needs is in [`open_app_stream`]'s box.
 #[allow(clippy::manual_async_fn)] // an async fn would hold its arguments twice
 fn deliver_stream(
     ctx: Arc<ProxyContext>,
@@ -280,27 +281,55 @@ fn deliver_stream(
     dst: SocketAddr,
     result: ConnectionResult,
 ) -> impl Future<Output = ()> + Send + 'static {
+    let (registration, revoked) = register(&ctx, &pod, attrs.clone());
+    let open = open_app_stream(ctx.clone(), pod.clone(), attrs, dst, pending);
     async move {
-        // The pod's guard lives as long as the stream.
-        let _running = &guard;
-        let (ctx, pod) = (&*ctx, &*pod);
-        let (_registration, revoked) = register(ctx, pod, attrs.clone());
-        // Its own statement: a match on the awaited connect would keep the
-        // connect's future alive (and sized in) through the whole copy.
-        let upstream = connect_app(ctx, pod, &attrs, dst).await;
-        let outcome = match upstream {
-            Ok(upstream) => match pending.accept() {
-                Ok(stream) => {
-                    copy_until_drained(pod, stream, upstream, &ctx.cfg.copy, Some(revoked)).await
-                }
+        // The pod's guard and the live registration last as long as the stream.
+        let _running = (&guard, &registration);
+        let outcome = carry(&ctx, &pod, open, revoked).await;
+        finish(result, outcome);
+    }
+}
+
+/// Connects to the app, then answers the CONNECT: 200 and the stream, or
+/// 503 when the app cannot be reached. Boxed: the connect's state and the
+/// pending answer are freed once the stream is open.
+type OpenAppStream<'a> =
+    Pin<Box<dyn Future<Output = Result<(H2Stream, TcpStream), ProxyError>> + Send + 'a>>;
+
+fn open_app_stream(
+    ctx: Arc<ProxyContext>,
+    pod: Arc<PodContext>,
+    attrs: ConnectionAttrs,
+    dst: SocketAddr,
+    pending: PendingConnect,
+) -> OpenAppStream<'static> {
+    Box::pin(async move {
+        match connect_app(&ctx, &pod, &attrs, dst).await {
+            Ok(app) => match pending.accept() {
+                Ok(stream) => Ok((stream, app)),
                 Err(e) => Err(ProxyError::ClientReset(e)),
             },
             Err(e) => {
                 pending.refuse(StatusCode::SERVICE_UNAVAILABLE);
                 Err(e)
             }
-        };
-        finish(result, outcome);
+        }
+    })
+}
+
+/// Waits for the stream and the app's socket, then copies. (`?` consumes
+/// what was opened whole, so it is not kept beside the copy.)
+#[allow(clippy::manual_async_fn)] // an async fn would hold its arguments twice
+fn carry<'a>(
+    ctx: &'a ProxyContext,
+    pod: &'a PodContext,
+    open: OpenAppStream<'static>,
+    revoked: super::live::Revoked,
+) -> impl Future<Output = Result<(u64, u64), ProxyError>> + 'a {
+    async move {
+        let (stream, app) = open.await?;
+        copy_until_drained(pod, stream, app, &ctx.cfg.copy, Some(revoked)).await
     }
 }
 
@@ -330,17 +359,20 @@ async fn connect_app(
     pod.connect(ctx, dst, from).await
 }
 
-/// Connects to the app and copies, registered as a live connection.
-async fn deliver(
-    ctx: &ProxyContext,
-    pod: &PodContext,
-    downstream: &mut TcpStream,
-    attrs: &ConnectionAttrs,
-    dst: SocketAddr,
-) -> Result<(u64, u64), ProxyError> {
-    let (_registration, revoked) = register(ctx, pod, attrs.clone());
-    let upstream = connect_app(ctx, pod, attrs, dst).await?;
-    copy_until_drained(pod, downstream, upstream, &ctx.cfg.copy, Some(revoked)).await
+/// Copies a plaintext connection to the app once `open` has connected to
+/// it. (`?` consumes the app's socket whole, as in [`carry`].)
+#[allow(clippy::manual_async_fn)] // an async fn would hold its arguments twice
+fn carry_plaintext<'a>(
+    ctx: &'a ProxyContext,
+    pod: &'a PodContext,
+    downstream: &'a mut TcpStream,
+    open: Pin<Box<dyn Future<Output = Result<TcpStream, ProxyError>> + Send>>,
+    revoked: super::live::Revoked,
+) -> impl Future<Output = Result<(u64, u64), ProxyError>> + 'a {
+    async move {
+        let app = open.await?;
+        copy_until_drained(pod, downstream, app, &ctx.cfg.copy, Some(revoked)).await
+    }
 }
 
 /// A plaintext connection the pod accepts: what [`plaintext`] delivers.
@@ -364,14 +396,23 @@ fn plaintext(
     src: SocketAddr,
 ) -> Option<impl Future<Output = ()> + Send + 'static> {
     let guard = pod.guard();
-    let mut accepted = accept_plaintext(&ctx, &pod, tcp, src)?;
-    let span = accepted.result.span().clone();
+    let Accepted {
+        result,
+        mut tcp,
+        attrs,
+        dst,
+    } = accept_plaintext(&ctx, &pod, tcp, src)?;
+    let span = result.span().clone();
+    let (registration, revoked) = register(&ctx, &pod, attrs.clone());
+    let (c, p) = (ctx.clone(), pod.clone());
+    // Boxed: the connect's state is freed once the app's socket is open.
+    let open = Box::pin(async move { connect_app(&c, &p, &attrs, dst).await });
     let delivery = async move {
-        // The pod's guard lives as long as the connection.
-        let _running = &guard;
-        let a = &mut accepted;
-        let outcome = deliver(&ctx, &pod, &mut a.tcp, &a.attrs, a.dst).await;
-        finish(accepted.result, outcome);
+        // The pod's guard and the live registration last as long as the
+        // connection.
+        let _running = (&guard, &registration);
+        let outcome = carry_plaintext(&ctx, &pod, &mut tcp, open, revoked).await;
+        finish(result, outcome);
     };
     Some(delivery.instrument(span))
 }
@@ -434,19 +475,20 @@ fn accept_plaintext(
 #[cfg(test)]
 #[allow(unreachable_code, clippy::diverging_sub_expression)]
 mod task_size {
-    /// As for outbound (`outbound::task_size`): 1,936 bytes per HBONE stream
-    /// and 1,456 per plaintext connection today (a debug build).
+    /// As for outbound (`outbound::task_size`): 784 bytes per HBONE stream
+    /// and 824 per plaintext connection today, each plus its boxed copy (a
+    /// debug build).
     #[test]
     fn inbound_connection_tasks_stay_small() {
         let stream = crate::test_support::future_size(&|| {
             super::deferred(|| Some(super::hbone_stream(todo!(), todo!(), todo!(), todo!())))
         });
-        assert!(stream <= 2_176, "inbound HBONE stream task: {stream} bytes");
+        assert!(stream <= 896, "inbound HBONE stream task: {stream} bytes");
         let plaintext = crate::test_support::future_size(&|| {
             super::deferred(|| super::plaintext(todo!(), todo!(), todo!(), todo!()))
         });
         assert!(
-            plaintext <= 1_664,
+            plaintext <= 896,
             "inbound plaintext task: {plaintext} bytes"
         );
     }

@@ -307,9 +307,23 @@ pub struct DenialLabels {
 
 /// The four Istio TCP metric families, the denials by policy, and the table
 /// of open and recent connections (admin `/connections`). Cloning shares
-/// them.
+/// them: one pointer, which every open connection holds.
 #[derive(Clone, Debug, Default)]
 pub struct TcpMetrics {
+    families: Arc<TcpFamilies>,
+}
+
+impl std::ops::Deref for TcpMetrics {
+    type Target = TcpFamilies;
+
+    fn deref(&self) -> &TcpFamilies {
+        &self.families
+    }
+}
+
+/// What [`TcpMetrics`] shares.
+#[derive(Debug, Default)]
+pub struct TcpFamilies {
     /// `istio_tcp_connections_opened_total`.
     pub opened: Family<TcpLabels, Counter>,
     /// `istio_tcp_connections_closed_total`.
@@ -327,7 +341,7 @@ pub struct TcpMetrics {
     /// One shared copy of each label set in use: an open connection holds
     /// a pointer to its labels, not ~0.8 KB of its own strings. Grows as
     /// the families do (they keep every label set too).
-    interned: Arc<RwLock<HashSet<Arc<TcpLabels>>>>,
+    interned: RwLock<HashSet<Arc<TcpLabels>>>,
 }
 
 impl TcpMetrics {

@@ -5,6 +5,7 @@
 //! inside the pod.
 
 use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
 use std::sync::Arc;
 
 use ambit_inpod::{NetnsSockets, SocketOptions};
@@ -18,7 +19,7 @@ use super::resolve::gateway_name;
 use super::{
     PodContext, ProxyContext, ProxyError, Resolved, peer_info, resolve, workload_identity,
 };
-use crate::hbone::{DialFuture, Dialer, PoolKey};
+use crate::hbone::{DialFuture, Dialer, PoolKey, PooledStream};
 use crate::state::{Service, Workload};
 
 /// Serves the pod's outbound listener until the pod drains.
@@ -63,14 +64,14 @@ fn handle(
     listener: Option<SocketAddr>,
 ) -> Option<impl Future<Output = ()> + Send + 'static> {
     let guard = pod.guard();
-    let conn = prepare(&ctx, &pod, &downstream, src)?;
-    let span = conn.result.span().clone();
-    Some(run(ctx, pod, guard, downstream, listener, conn).instrument(span))
+    let (result, setup) = prepare(&ctx, &pod, &downstream, src)?;
+    let span = result.span().clone();
+    let open = open_upstream(ctx.clone(), pod.clone(), setup, listener);
+    Some(run(ctx, pod, guard, downstream, open, result).instrument(span))
 }
 
-/// What [`prepare`] decided about a connection.
-struct Prepared {
-    result: ConnectionResult,
+/// What [`prepare`] decided about where a connection goes.
+struct Setup {
     resolved: Resolved,
     src: SocketAddr,
     src_w: Option<Arc<Workload>>,
@@ -86,7 +87,7 @@ fn prepare(
     pod: &PodContext,
     downstream: &TcpStream,
     src: SocketAddr,
-) -> Option<Prepared> {
+) -> Option<(ConnectionResult, Setup)> {
     let dst = match original_dst(downstream) {
         Ok(d) => d,
         Err(e) => {
@@ -174,62 +175,56 @@ fn prepare(
         trace_id,
         hbone_peer: None,
     };
-    Some(Prepared {
-        result: ConnectionResult::new(open, &ctx.metrics),
+    let setup = Setup {
         resolved,
         src,
         src_w,
         src_id,
         trace_id,
-    })
+    };
+    Some((ConnectionResult::new(open, &ctx.metrics), setup))
 }
 
-/// Connects as `conn.resolved` says and copies until the connection ends,
-/// then records how it ended.
-/// An `async move` block, not an `async fn` (which would keep each argument
-/// twice for the connection's life): the captured values are used in place.
-#[allow(clippy::manual_async_fn)] // an async fn would hold its arguments twice
-fn run(
+/// Where a connection's upstream was opened: a socket dialled from the pod
+/// (plain TCP) or a CONNECT stream on a pooled HBONE connection.
+enum Upstream {
+    Tcp(TcpStream),
+    Hbone(PooledStream),
+}
+
+/// Opens a connection's upstream; boxed, so what only the setup needs (the
+/// resolution, identities, CONNECT headers, the certificate fetch and pool
+/// checkout) is freed once it is open instead of sizing the connection's
+/// task for its life.
+type OpenUpstream = Pin<Box<dyn Future<Output = Result<Upstream, ProxyError>> + Send>>;
+
+/// Opens the upstream `resolved` names (see [`OpenUpstream`]).
+fn open_upstream(
     ctx: Arc<ProxyContext>,
     pod: Arc<PodContext>,
-    guard: super::pod::ConnGuard,
-    mut downstream: TcpStream,
+    conn: Setup,
     listener: Option<SocketAddr>,
-    conn: Prepared,
-) -> impl Future<Output = ()> + Send + 'static {
-    async move {
-        // The pod's guard lives as long as the connection.
-        let _running = &guard;
+) -> OpenUpstream {
+    Box::pin(async move {
         let (ctx, pod) = (&*ctx, &*pod);
         let src = conn.src;
-        let outcome = match &conn.resolved {
+        match conn.resolved {
             Resolved::NoEndpoint { service, port } => Err(ProxyError::NoHealthyEndpoint {
                 service: service.hostname.clone(),
-                port: *port,
+                port,
             }),
             Resolved::Direct { addr, .. } => {
-                if is_loop(*addr, listener, ctx) {
-                    Err(ProxyError::Loop(*addr))
+                if is_loop(addr, listener, ctx) {
+                    Err(ProxyError::Loop(addr))
                 } else {
-                    direct(ctx, pod, &mut downstream, *addr).await
+                    Ok(Upstream::Tcp(pod.connect(ctx, addr, None).await?))
                 }
             }
             Resolved::Hbone { addr, workload, .. } => {
                 let headers = headers(src.ip(), conn.src_w.as_deref(), conn.trace_id);
                 let peer = SocketAddr::new(addr.ip(), ctx.cfg.hbone_port);
-                let id = workload_identity(workload);
-                hbone(
-                    ctx,
-                    pod,
-                    &mut downstream,
-                    src,
-                    &conn.src_id,
-                    id,
-                    peer,
-                    *addr,
-                    headers,
-                )
-                .await
+                let id = workload_identity(&workload);
+                open_hbone(ctx, pod, src, &conn.src_id, id, peer, addr, headers).await
             }
             // The waypoint decides where the connection goes: the tunnel
             // carries the original destination as its authority, and the
@@ -241,19 +236,8 @@ fn run(
                 ..
             } => {
                 let headers = headers(src.ip(), conn.src_w.as_deref(), conn.trace_id);
-                let id = workload_identity(waypoint);
-                hbone(
-                    ctx,
-                    pod,
-                    &mut downstream,
-                    src,
-                    &conn.src_id,
-                    id,
-                    *addr,
-                    *target,
-                    headers,
-                )
-                .await
+                let id = workload_identity(&waypoint);
+                open_hbone(ctx, pod, src, &conn.src_id, id, addr, target, headers).await
             }
             Resolved::NoWaypoint {
                 gateway,
@@ -261,11 +245,31 @@ fn run(
                 why,
                 ..
             } => Err(ProxyError::NoWaypoint {
-                waypoint: gateway_name(gateway),
-                target: *target,
-                why: *why,
+                waypoint: gateway_name(&gateway),
+                target,
+                why,
             }),
-        };
+        }
+    })
+}
+
+/// Opens the upstream, copies until the connection ends, then records how
+/// it ended. An `async move` block, not an `async fn` (which would keep
+/// each argument twice for the connection's life): the captured values are
+/// used in place.
+#[allow(clippy::manual_async_fn)] // an async fn would hold its arguments twice
+fn run(
+    ctx: Arc<ProxyContext>,
+    pod: Arc<PodContext>,
+    guard: super::pod::ConnGuard,
+    mut downstream: TcpStream,
+    open: OpenUpstream,
+    result: ConnectionResult,
+) -> impl Future<Output = ()> + Send + 'static {
+    async move {
+        // The pod's guard lives as long as the connection.
+        let _running = &guard;
+        let outcome = carry(&ctx, &pod, &mut downstream, open).await;
         // A failure before the first byte closes the app's connection with a
         // reset, so it learns at once that its destination could not be
         // reached (as a direct connect would have told it) — after the outcome
@@ -275,8 +279,38 @@ fn run(
         if refused {
             let _ = socket2::SockRef::from(&downstream).set_linger(Some(std::time::Duration::ZERO));
         }
-        finish(conn.result, outcome);
+        finish(result, outcome);
         drop(downstream);
+    }
+}
+
+/// Waits for the upstream, then copies. (`?` consumes the opened upstream
+/// whole, so it is not kept beside the copy.)
+#[allow(clippy::manual_async_fn)] // an async fn would hold its arguments twice
+fn carry<'a>(
+    ctx: &'a ProxyContext,
+    pod: &'a PodContext,
+    downstream: &'a mut TcpStream,
+    open: OpenUpstream,
+) -> impl Future<Output = Result<(u64, u64), ProxyError>> + 'a {
+    async move {
+        let upstream = open.await?;
+        copy_to(ctx, pod, downstream, upstream).await
+    }
+}
+
+/// The copy between the app's socket and its opened upstream.
+fn copy_to<'a>(
+    ctx: &'a ProxyContext,
+    pod: &'a PodContext,
+    downstream: &'a mut TcpStream,
+    upstream: Upstream,
+) -> impl Future<Output = Result<(u64, u64), ProxyError>> + 'a {
+    use futures::future::Either;
+    let cfg = &ctx.cfg.copy;
+    match upstream {
+        Upstream::Tcp(s) => Either::Left(copy_until_drained(pod, downstream, s, cfg, None)),
+        Upstream::Hbone(s) => Either::Right(copy_until_drained(pod, downstream, s, cfg, None)),
     }
 }
 
@@ -291,64 +325,44 @@ fn is_loop(addr: SocketAddr, listener: Option<SocketAddr>, ctx: &ProxyContext) -
         || (ports.contains(&addr.port()) && listener.is_some_and(|l| l.port() == addr.port()))
 }
 
-/// Plain TCP to `addr`, dialled from inside the pod.
-#[allow(clippy::manual_async_fn)] // an async fn would hold its arguments twice
-fn direct<'a>(
-    ctx: &'a ProxyContext,
-    pod: &'a PodContext,
-    downstream: &'a mut TcpStream,
-    addr: SocketAddr,
-) -> impl Future<Output = Result<(u64, u64), ProxyError>> + 'a {
-    async move {
-        // Boxed (as every setup step of a connection): its state is freed
-        // once it completes instead of sizing the connection's task for its
-        // life.
-        let upstream = Box::pin(pod.connect(ctx, addr, None)).await?;
-        copy_until_drained(pod, downstream, upstream, &ctx.cfg.copy, None).await
-    }
-}
-
-/// HBONE to `peer` (a pod's or a waypoint's HBONE address) verified as
-/// `dst_id`, with `target` as the CONNECT authority. (`direct` and `hbone`
-/// are `async move` blocks, not `async fn`s, so their arguments are held
-/// once for the connection's life, not twice.)
+/// A CONNECT stream to `peer` (a pod's or a waypoint's HBONE address)
+/// verified as `dst_id`, with `target` as the authority, on a pooled HBONE
+/// connection (runs inside [`OpenUpstream`]'s box).
 #[allow(clippy::too_many_arguments)]
-#[allow(clippy::manual_async_fn)] // an async fn would hold its arguments twice
-fn hbone<'a>(
-    ctx: &'a ProxyContext,
-    pod: &'a PodContext,
-    downstream: &'a mut TcpStream,
+async fn open_hbone(
+    ctx: &ProxyContext,
+    pod: &PodContext,
     src: SocketAddr,
-    src_id: &'a crate::identity::Identity,
+    src_id: &crate::identity::Identity,
     dst_id: crate::identity::Identity,
     peer: SocketAddr,
     target: SocketAddr,
     headers: HeaderMap,
-) -> impl Future<Output = Result<(u64, u64), ProxyError>> + 'a {
-    async move {
-        let cert = Box::pin(ctx.certificate(src_id)).await?;
-        let key = PoolKey {
-            src: src_id.clone(),
-            dst: dst_id.clone(),
-            dst_ip: peer.ip(),
-            src_ip: Some(src.ip()),
-        };
-        let dialer = PodDialer {
-            sockets: pod.sockets.clone(),
-            mark: ctx.cfg.mark,
-        };
-        let stream = Box::pin(ctx.pool.stream(
+) -> Result<Upstream, ProxyError> {
+    let cert = ctx.certificate(src_id).await?;
+    let key = PoolKey {
+        src: src_id.clone(),
+        dst: dst_id.clone(),
+        dst_ip: peer.ip(),
+        src_ip: Some(src.ip()),
+    };
+    let dialer = PodDialer {
+        sockets: pod.sockets.clone(),
+        mark: ctx.cfg.mark,
+    };
+    let stream = ctx
+        .pool
+        .stream(
             key,
             peer,
             &dialer,
             || ctx.client_config(&cert, &dst_id),
             target,
             headers,
-        ))
+        )
         .await
         .map_err(|source| ProxyError::Hbone { target, source })?;
-        copy_until_drained(pod, downstream, stream, &ctx.cfg.copy, None).await
-    }
+    Ok(Upstream::Hbone(stream))
 }
 
 fn service_info(s: &Service) -> ServiceInfo {
@@ -455,16 +469,29 @@ mod tests {
 #[cfg(test)]
 #[allow(unreachable_code, clippy::diverging_sub_expression)]
 mod task_size {
+    use tokio::net::TcpStream;
+
+    use crate::hbone::PooledStream;
+
     /// A connection's task is as large as its future for the connection's
-    /// whole life (benches/README.md, "Data plane against the floor", lever
-    /// (k)): an `async fn` wrapper or setup state kept across the copy adds
-    /// hundreds of bytes to every open connection. 2,112 bytes today (a debug
-    /// build; release sizes are within a few percent).
+    /// whole life (benches/README.md, "Data plane against the floor", levers
+    /// (k) and (m)): an `async fn` wrapper or setup state kept across the
+    /// copy adds hundreds of bytes to every open connection. 808 bytes today
+    /// for the task and 544 for its boxed copy (a debug build; release sizes
+    /// are within a few percent).
     #[test]
     fn an_outbound_connection_task_stays_small() {
         let size = crate::test_support::future_size(&|| {
             super::deferred(|| super::handle(todo!(), todo!(), todo!(), todo!(), todo!()))
         });
-        assert!(size <= 2_304, "outbound connection task: {size} bytes");
+        assert!(size <= 896, "outbound connection task: {size} bytes");
+        let copy = crate::test_support::future_size(&|| {
+            crate::copy::copy_bidirectional::<&mut TcpStream, PooledStream>(
+                todo!(),
+                todo!(),
+                todo!(),
+            )
+        });
+        assert!(copy <= 544, "outbound copy: {copy} bytes");
     }
 }
