@@ -157,17 +157,128 @@ pub struct ConnectionsDump {
     pub recent: Vec<ConnectionRecord>,
 }
 
+/// An open connection as the table holds it: a record's fixed fields
+/// inline and its nine optional strings packed into one allocation (as
+/// `Option<String>`s they cost nine allocations and 216 B of headers per
+/// open connection). The closed ring, bounded, keeps full records.
 struct Open {
-    record: ConnectionRecord,
     started: Instant,
+    start_unix_ms: u64,
+    direction: &'static str,
+    security: &'static str,
+    src: (Option<IpAddr>, Option<u16>),
+    dst: (Option<IpAddr>, Option<u16>),
+    upstream: Option<SocketAddr>,
+    hbone_peer: Option<SocketAddr>,
+    strings: PackedStrings,
+}
+
+/// The record's strings, in this order.
+const STRINGS: usize = 9;
+
+/// Up to [`STRINGS`] optional strings in one allocation.
+struct PackedStrings {
+    text: Box<str>,
+    /// Where each string ends in `text`.
+    ends: [u32; STRINGS],
+    /// Bit `i`: string `i` is present (`Some`, possibly empty).
+    present: u16,
+}
+
+impl PackedStrings {
+    fn pack(fields: [Option<String>; STRINGS]) -> Self {
+        let len = fields.iter().flatten().map(String::len).sum();
+        let mut text = String::with_capacity(len);
+        let mut ends = [0; STRINGS];
+        let mut present = 0;
+        for (i, f) in fields.iter().enumerate() {
+            if let Some(f) = f {
+                text.push_str(f);
+                present |= 1 << i;
+            }
+            // A record's strings are names and identities: far below 4 GiB.
+            ends[i] = u32::try_from(text.len()).unwrap_or(u32::MAX);
+        }
+        Self {
+            text: text.into_boxed_str(),
+            ends,
+            present,
+        }
+    }
+
+    fn get(&self, i: usize) -> Option<String> {
+        if self.present & (1 << i) == 0 {
+            return None;
+        }
+        let end = self.ends[i] as usize;
+        let start = if i == 0 { 0 } else { self.ends[i - 1] as usize };
+        Some(self.text.get(start..end).unwrap_or_default().to_string())
+    }
+}
+
+impl Open {
+    fn new(r: ConnectionRecord) -> Self {
+        Self {
+            started: Instant::now(),
+            start_unix_ms: r.start_unix_ms,
+            direction: r.direction,
+            security: r.security,
+            src: (r.src.ip, r.src.port),
+            dst: (r.dst.ip, r.dst.port),
+            upstream: r.upstream,
+            hbone_peer: r.hbone_peer,
+            strings: PackedStrings::pack([
+                r.src.workload,
+                r.src.namespace,
+                r.src.identity,
+                r.dst.workload,
+                r.dst.namespace,
+                r.dst.identity,
+                r.dst_service,
+                r.waypoint,
+                r.trace_id,
+            ]),
+        }
+    }
+
+    /// The full record of open connection `id`.
+    fn record(&self, id: u64) -> ConnectionRecord {
+        let s = &self.strings;
+        let endpoint = |(ip, port): (Option<IpAddr>, Option<u16>), first: usize| Endpoint {
+            ip,
+            port,
+            workload: s.get(first),
+            namespace: s.get(first + 1),
+            identity: s.get(first + 2),
+        };
+        ConnectionRecord {
+            id,
+            direction: self.direction,
+            state: ConnectionState::Open,
+            src: endpoint(self.src, 0),
+            dst: endpoint(self.dst, 3),
+            dst_service: s.get(6),
+            security: self.security,
+            upstream: self.upstream,
+            hbone_peer: self.hbone_peer,
+            waypoint: s.get(7),
+            trace_id: s.get(8),
+            start_unix_ms: self.start_unix_ms,
+            duration_ms: ms(self.started.elapsed()),
+            bytes_sent: None,
+            bytes_received: None,
+            response_flags: "-",
+            error: None,
+        }
+    }
 }
 
 struct Inner {
     capacity: usize,
     next_id: AtomicU64,
     closed_total: AtomicU64,
-    /// Boxed: a map's table grows by doubling, and a ~0.5 KB record inline
-    /// in every slot (empty ones too) cost ~1 KB per open connection.
+    /// Boxed: a map's table grows by doubling, and a record inline in every
+    /// slot (empty ones too) would cost twice its size per open connection.
     open: Vec<Mutex<HashMap<u64, Box<Open>>>>,
     closed: Mutex<VecDeque<ConnectionRecord>>,
 }
@@ -235,19 +346,8 @@ impl ConnectionTable {
     /// and outcome fields are set here. Returns its id for [`Self::close`].
     pub fn open(&self, mut record: ConnectionRecord) -> u64 {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        record.id = id;
-        record.state = ConnectionState::Open;
         record.start_unix_ms = unix_ms(SystemTime::now());
-        record.duration_ms = 0;
-        record.bytes_sent = None;
-        record.bytes_received = None;
-        record.response_flags = "-";
-        record.error = None;
-        let open = Box::new(Open {
-            record,
-            started: Instant::now(),
-        });
-        lock(self.shard(id)).insert(id, open);
+        lock(self.shard(id)).insert(id, Box::new(Open::new(record)));
         id
     }
 
@@ -258,9 +358,8 @@ impl ConnectionTable {
         let Some(open) = lock(self.shard(id)).remove(&id) else {
             return;
         };
-        let mut record = open.record;
+        let mut record = open.record(id);
         record.state = ConnectionState::Closed;
-        record.duration_ms = ms(open.started.elapsed());
         record.bytes_sent = Some(outcome.bytes_sent);
         record.bytes_received = Some(outcome.bytes_received);
         record.response_flags = outcome.response_flags;
@@ -278,11 +377,7 @@ impl ConnectionTable {
         let mut open: Vec<ConnectionRecord> = Vec::new();
         for shard in &self.inner.open {
             let shard = lock(shard);
-            open.extend(shard.values().map(|o| {
-                let mut r = o.record.clone();
-                r.duration_ms = ms(o.started.elapsed());
-                r
-            }));
+            open.extend(shard.iter().map(|(id, o)| o.record(*id)));
         }
         open.sort_by_key(|r| r.id);
         let recent: Vec<ConnectionRecord> = lock(&self.inner.closed).iter().cloned().collect();

@@ -111,3 +111,36 @@ fn traceparent_trace_ids() {
         assert_eq!(trace_id_of(bad), None, "{bad:?}");
     }
 }
+
+#[test]
+fn an_open_record_keeps_every_string_as_given() {
+    let t = ConnectionTable::new(4);
+    let mut r = record(1000);
+    r.src.workload = Some("client-0".into());
+    r.src.namespace = Some(String::new()); // present but empty: not absent
+    r.src.identity = None;
+    r.dst.workload = Some("server-7".into());
+    r.dst.namespace = Some("ai".into());
+    r.dst.identity = Some("spiffe://cluster.local/ns/ai/sa/server".into());
+    r.dst_service = Some("embed.ai.svc.cluster.local".into());
+    r.waypoint = None;
+    r.trace_id = Some("0af7651916cd43dd8448eb211c80319c".into());
+    r.src.port = None;
+    r.hbone_peer = Some(SocketAddr::from(([10, 0, 0, 9], 40000)));
+    let id = t.open(r.clone());
+    let got = t.dump().open.remove(0);
+    assert_eq!((&got.src, &got.dst), (&r.src, &r.dst));
+    assert_eq!(
+        (
+            &got.dst_service,
+            &got.waypoint,
+            &got.trace_id,
+            got.hbone_peer
+        ),
+        (&r.dst_service, &r.waypoint, &r.trace_id, r.hbone_peer)
+    );
+    t.close(id, done());
+    let closed = t.dump().recent.remove(0);
+    assert_eq!((&closed.src, &closed.dst), (&r.src, &r.dst));
+    assert_eq!(closed.trace_id, r.trace_id);
+}
