@@ -99,6 +99,7 @@ fn knobs() -> Knobs {
         conn_secs: Duration::from_secs(env_u64("CONN_SECS", if quick { 2 } else { 3 })),
         rates,
         idle_conns: env_u64("IDLE_CONNS", if quick { 500 } else { 2000 }) as usize,
+        idle_hold: Duration::from_secs(env_u64("IDLE_HOLD_SECS", 1)),
         perf_dir: std::env::var_os("PERF_DIR").map(PathBuf::from),
         perf_paths: perf_paths.split(',').map(str::to_string).collect(),
     }
@@ -390,7 +391,7 @@ fn idle_phase(
         let anon = mems.iter().map(|m| m.anon).max().unwrap_or(0) as f64 / 1024.0;
         rec.add("idle RSS: MiB (largest end)", largest);
         rec.add("idle RSS: anon MiB (largest end)", anon);
-        let (kib, took) = rt.block_on(measure::idle_conns(p, k.idle_conns))?;
+        let (kib, took) = rt.block_on(measure::idle_conns(p, k.idle_conns, k.idle_hold))?;
         let per = kib / k.idle_conns as f64;
         println!(
             "{}: idle RSS {largest:.1} MiB (anon {anon:.1}); {} idle conns opened in {took:.1} s, +{per:.2} KiB each (both ends)",

@@ -163,6 +163,9 @@ pub struct Knobs {
     pub conn_secs: Duration,
     pub rates: Vec<f64>,
     pub idle_conns: usize,
+    /// How long the idle connections are held before their RSS is read
+    /// (`IDLE_HOLD_SECS`: longer to take a heap snapshot meanwhile).
+    pub idle_hold: Duration,
     /// `PERF_DIR`: record `perf` profiles of these paths' proxies there.
     pub perf_dir: Option<PathBuf>,
     pub perf_paths: Vec<String>,
@@ -299,7 +302,7 @@ async fn open_one(sockets: &NetnsSockets, dst: SocketAddr) -> Result<tokio::net:
 /// Opens `n` connections to the echo through the path, keeps them idle,
 /// and returns the proxies' RSS growth (KiB, summed over both ends) and
 /// the time it took; the connections close when this returns.
-pub async fn idle_conns(p: &Path, n: usize) -> Result<(f64, f64)> {
+pub async fn idle_conns(p: &Path, n: usize, hold: Duration) -> Result<(f64, f64)> {
     let sockets = NetnsSockets::spawn(&p.client.open()?)?;
     let rss = |pids: &[u32]| pids.iter().map(|p| load::mem(*p).rss).sum::<u64>() as f64;
     let before = rss(&p.pids);
@@ -313,13 +316,7 @@ pub async fn idle_conns(p: &Path, n: usize) -> Result<(f64, f64)> {
         held.push(s);
     }
     let took = t.elapsed().as_secs_f64();
-    // `IDLE_HOLD_SECS` (default 1) keeps them open longer, e.g. to take a
-    // heap snapshot of the proxies while they hold `n` connections.
-    let hold = std::env::var("IDLE_HOLD_SECS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1);
-    tokio::time::sleep(Duration::from_secs(hold)).await;
+    tokio::time::sleep(hold).await;
     let after = rss(&p.pids);
     drop(held);
     tokio::time::sleep(Duration::from_millis(500)).await;
