@@ -67,6 +67,30 @@ where
     }
 }
 
+/// A connection's opening (dial, handshake, pool checkout, app connect),
+/// boxed: what only the opening needs is freed once it completes instead
+/// of sizing the connection's task for its whole life.
+pub(super) type Opening<'a, T> = Pin<Box<dyn Future<Output = Result<T, ProxyError>> + Send + 'a>>;
+
+/// Waits for `open`, then runs `copy` on what it opened. (`?` consumes the
+/// opened value whole, so it is not kept beside the copy; an `async move`
+/// block, not an `async fn`, so nothing is held twice.)
+#[allow(clippy::manual_async_fn)] // an async fn would hold its arguments twice
+pub(super) fn open_then_copy<'a, T, C, F>(
+    open: Opening<'a, T>,
+    copy: C,
+) -> impl Future<Output = Result<(u64, u64), ProxyError>> + 'a
+where
+    T: 'a,
+    C: FnOnce(T) -> F + 'a,
+    F: Future<Output = Result<(u64, u64), ProxyError>> + 'a,
+{
+    async move {
+        let opened = open.await?;
+        copy(opened).await
+    }
+}
+
 /// A connection's task: runs `setup` (plain code: resolution, policy, the
 /// connection's record) when the task first runs, then the future it
 /// returns, in place of it; nothing more when it returns `None` (a

@@ -19,7 +19,6 @@
 //! destination's.
 
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,7 +26,9 @@ use hyper::http::StatusCode;
 use tokio::net::{TcpListener, TcpStream};
 use tracing::Instrument;
 
-use super::connection::{accept_loop, copy_until_drained, deferred, finish, original_dst};
+use super::connection::{
+    Opening, accept_loop, copy_until_drained, deferred, finish, open_then_copy, original_dst,
+};
 use super::metrics::{ConnectionOpen, ConnectionResult, Reporter, SecurityPolicy};
 use super::recent::trace_id_of;
 use super::resolve::is_waypoint_of;
@@ -286,24 +287,24 @@ fn deliver_stream(
     async move {
         // The pod's guard and the live registration last as long as the stream.
         let _running = (&guard, &registration);
-        let outcome = carry(&ctx, &pod, open, revoked).await;
+        let outcome = open_then_copy(open, |(stream, app)| {
+            copy_until_drained(&pod, stream, app, &ctx.cfg.copy, Some(revoked))
+        })
+        .await;
         finish(result, outcome);
     }
 }
 
 /// Connects to the app, then answers the CONNECT: 200 and the stream, or
-/// 503 when the app cannot be reached. Boxed: the connect's state and the
-/// pending answer are freed once the stream is open.
-type OpenAppStream<'a> =
-    Pin<Box<dyn Future<Output = Result<(H2Stream, TcpStream), ProxyError>> + Send + 'a>>;
-
+/// 503 when the app cannot be reached (an [`Opening`]: the connect's state
+/// and the pending answer are freed once the stream is open).
 fn open_app_stream(
     ctx: Arc<ProxyContext>,
     pod: Arc<PodContext>,
     attrs: ConnectionAttrs,
     dst: SocketAddr,
     pending: PendingConnect,
-) -> OpenAppStream<'static> {
+) -> Opening<'static, (H2Stream, TcpStream)> {
     Box::pin(async move {
         match connect_app(&ctx, &pod, &attrs, dst).await {
             Ok(app) => match pending.accept() {
@@ -316,21 +317,6 @@ fn open_app_stream(
             }
         }
     })
-}
-
-/// Waits for the stream and the app's socket, then copies. (`?` consumes
-/// what was opened whole, so it is not kept beside the copy.)
-#[allow(clippy::manual_async_fn)] // an async fn would hold its arguments twice
-fn carry<'a>(
-    ctx: &'a ProxyContext,
-    pod: &'a PodContext,
-    open: OpenAppStream<'static>,
-    revoked: super::live::Revoked,
-) -> impl Future<Output = Result<(u64, u64), ProxyError>> + 'a {
-    async move {
-        let (stream, app) = open.await?;
-        copy_until_drained(pod, stream, app, &ctx.cfg.copy, Some(revoked)).await
-    }
 }
 
 /// Registers a live connection so a policy change that denies `attrs`
@@ -357,22 +343,6 @@ async fn connect_app(
         .inbound_transparent
         .then(|| attrs.src_ip.to_canonical());
     pod.connect(ctx, dst, from).await
-}
-
-/// Copies a plaintext connection to the app once `open` has connected to
-/// it. (`?` consumes the app's socket whole, as in [`carry`].)
-#[allow(clippy::manual_async_fn)] // an async fn would hold its arguments twice
-fn carry_plaintext<'a>(
-    ctx: &'a ProxyContext,
-    pod: &'a PodContext,
-    downstream: &'a mut TcpStream,
-    open: Pin<Box<dyn Future<Output = Result<TcpStream, ProxyError>> + Send>>,
-    revoked: super::live::Revoked,
-) -> impl Future<Output = Result<(u64, u64), ProxyError>> + 'a {
-    async move {
-        let app = open.await?;
-        copy_until_drained(pod, downstream, app, &ctx.cfg.copy, Some(revoked)).await
-    }
 }
 
 /// A plaintext connection the pod accepts: what [`plaintext`] delivers.
@@ -405,13 +375,16 @@ fn plaintext(
     let span = result.span().clone();
     let (registration, revoked) = register(&ctx, &pod, attrs.clone());
     let (c, p) = (ctx.clone(), pod.clone());
-    // Boxed: the connect's state is freed once the app's socket is open.
-    let open = Box::pin(async move { connect_app(&c, &p, &attrs, dst).await });
+    let open: Opening<'static, TcpStream> =
+        Box::pin(async move { connect_app(&c, &p, &attrs, dst).await });
     let delivery = async move {
         // The pod's guard and the live registration last as long as the
         // connection.
         let _running = (&guard, &registration);
-        let outcome = carry_plaintext(&ctx, &pod, &mut tcp, open, revoked).await;
+        let outcome = open_then_copy(open, |app| {
+            copy_until_drained(&pod, &mut tcp, app, &ctx.cfg.copy, Some(revoked))
+        })
+        .await;
         finish(result, outcome);
     };
     Some(delivery.instrument(span))
@@ -475,8 +448,8 @@ fn accept_plaintext(
 #[cfg(test)]
 #[allow(unreachable_code, clippy::diverging_sub_expression)]
 mod task_size {
-    /// As for outbound (`outbound::task_size`): 784 bytes per HBONE stream
-    /// and 824 per plaintext connection today, each plus its boxed copy (a
+    /// As for outbound (`outbound::task_size`): 696 bytes per HBONE stream
+    /// and 744 per plaintext connection today, each plus its boxed copy (a
     /// debug build).
     #[test]
     fn inbound_connection_tasks_stay_small() {
