@@ -240,6 +240,7 @@ impl ControlPlane {
                 tasks.push(tokio::spawn(gateway_status::run(
                     client.clone(),
                     elector.subscribe(),
+                    source.discovered(),
                     StatusOptions {
                         domain: "cluster.local".into(),
                     },
@@ -248,6 +249,7 @@ impl ControlPlane {
                     client.clone(),
                     snapshots.clone(),
                     elector.subscribe(),
+                    source.discovered(),
                 )));
                 tasks.push(tokio::spawn(follow_leadership(
                     elector.subscribe(),

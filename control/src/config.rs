@@ -113,8 +113,9 @@ pub struct ControlConfig {
     pub kube_relist_secs: u64,
 
     /// Kubernetes mode: longest delay between retries of a failed watch, in
-    /// milliseconds (also how long a newly installed CRD may go unnoticed).
-    #[arg(long, env = "KUBE_RETRY_MAX_MS", default_value_t = 30_000)]
+    /// milliseconds (a failing watch also retries at once when the API
+    /// server answers discovery again).
+    #[arg(long, env = "KUBE_RETRY_MAX_MS", default_value_t = 4_000)]
     pub kube_retry_max_ms: u64,
 
     /// Do not serve plaintext gRPC (`--xds-plaintext-addr`); the Kubernetes
@@ -234,7 +235,7 @@ impl ControlConfig {
             plugged_ca_secret: "cacerts".into(),
             token_audience: "istio-ca".into(),
             kube_relist_secs: 3600,
-            kube_retry_max_ms: 30_000,
+            kube_retry_max_ms: 4_000,
             no_xds_plaintext: false,
             data_dir,
             xds_plaintext_addr: any,

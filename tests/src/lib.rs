@@ -8,6 +8,7 @@ pub mod envoy;
 pub mod fakeapi;
 pub mod h2raw;
 pub mod httpapp;
+pub mod kubeapi;
 pub mod kubebed;
 pub mod meshbed;
 pub mod netbed;

@@ -25,15 +25,23 @@ use serde_json::{Value, json};
 
 const LIMIT: Duration = Duration::from_secs(10);
 
-fn manifests() -> Vec<(String, Value)> {
-    let dir = workspace_root().join("deploy/kubernetes");
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
+/// The YAML files of a directory (one level), but its kustomization.
+fn yaml_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .filter(|p| p.file_name().is_some_and(|n| n != "kustomization.yaml"))
         .collect();
     files.sort();
-    assert!(files.len() >= 5, "{files:?}");
+    files
+}
+
+fn manifests() -> Vec<(String, Value)> {
+    let dir = workspace_root().join("deploy/kubernetes");
+    let mut files = yaml_files(&dir);
+    files.extend(yaml_files(&dir.join("crds")));
+    assert!(files.len() >= 6, "{files:?}");
     let mut out = Vec::new();
     for f in files {
         for (i, d) in yaml_docs(&f).unwrap().into_iter().enumerate() {
@@ -602,4 +610,32 @@ async fn every_env_var_and_arg_the_manifests_set_is_a_flag_of_the_binary() {
         }
     }
     assert!(checked > 15, "{checked}");
+}
+
+/// `kubectl apply -k deploy/kubernetes` (and `-k deploy/kubernetes/crds`)
+/// apply exactly the files `ambitctl install` compiles in.
+#[test]
+fn the_kustomizations_list_every_manifest_and_install_compiles_them_in() {
+    let dir = workspace_root().join("deploy/kubernetes");
+    for (sub, prefix) in [(dir.clone(), ""), (dir.join("crds"), "crds/")] {
+        let k = yaml_docs(&sub.join("kustomization.yaml")).unwrap();
+        let listed: Vec<String> = k[0]["resources"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| format!("{prefix}{}", r.as_str().unwrap()))
+            .collect();
+        let files: Vec<String> = yaml_files(&sub)
+            .iter()
+            .map(|p| format!("{prefix}{}", p.file_name().unwrap().to_string_lossy()))
+            .collect();
+        assert_eq!(listed, files, "{}", sub.display());
+        for f in &files {
+            assert!(
+                ambitctl::install::MANIFESTS.iter().any(|(n, _)| n == f),
+                "{f} is compiled into ambitctl install"
+            );
+        }
+    }
+    assert_eq!(ambitctl::install::MANIFESTS.len(), 7);
 }

@@ -242,28 +242,33 @@ fn allow_rules_empty_rule_allows_all_no_rules_allows_nothing() {
 }
 
 #[test]
-fn empty_from_and_missing_from_both_match_any_source() {
-    let yaml = pod("from", "empty", "10.5.1.1", "app: empty")
-        + &pod("from", "missing", "10.5.1.2", "app: missing")
+fn missing_from_matches_any_source_and_an_empty_from_is_rejected_as_istio_does() {
+    // `from: []` means nothing Istio accepts: rejected with its path, never
+    // a silently different policy.
+    let empty = pod("from", "empty", "10.5.1.1", "app: empty")
         + &ap(
             "from",
             "empty",
             "{selector: {matchLabels: {app: empty}}, rules: [{from: [], to: [{operation: {ports: ['80']}}]}]}",
-        )
+        );
+    let (_, errs) = parse_documents(Path::new("policy.yaml"), &empty);
+    assert_eq!(errs.len(), 1, "{errs:#?}");
+    assert!(errs[0].reason.contains("spec.rules[0].from"), "{errs:#?}");
+
+    let yaml = pod("from", "missing", "10.5.1.2", "app: missing")
         + &ap(
             "from",
             "missing",
             "{selector: {matchLabels: {app: missing}}, rules: [{to: [{operation: {ports: ['80']}}]}]}",
         );
     let m = Mesh::new(&yaml);
-    for dst in ["10.5.1.1", "10.5.1.2"] {
-        assert!(m.allowed(None, dst, 80), "{dst}: plaintext on 80");
-        assert!(m.allowed(Some(CLIENT), dst, 80), "{dst}: mTLS on 80");
-        assert!(
-            !m.allowed(Some(CLIENT), dst, 81),
-            "{dst}: port 81 matches no rule"
-        );
-    }
+    let dst = "10.5.1.2";
+    assert!(m.allowed(None, dst, 80), "{dst}: plaintext on 80");
+    assert!(m.allowed(Some(CLIENT), dst, 80), "{dst}: mTLS on 80");
+    assert!(
+        !m.allowed(Some(CLIENT), dst, 81),
+        "{dst}: port 81 matches no rule"
+    );
 }
 
 #[test]

@@ -10,8 +10,8 @@ use serde::Deserialize;
 use serde::de::{self, Deserializer};
 
 use crate::objects::{
-    LabelSelector, Labels, ObjectMeta, check_port, nullable, optional_port_number, parse_str,
-    port_number,
+    LabelSelector, Labels, ObjectMeta, check_port, nullable, optional_port_number, parse_scalar,
+    parse_str, port_number,
 };
 
 // --------------------------------------------------- networking.istio.io
@@ -149,7 +149,7 @@ pub struct PeerAuthentication {
 pub struct PeerAuthenticationSpec {
     pub selector: Option<LabelSelector>,
     pub mtls: Option<Mtls>,
-    /// Port number -> mode.
+    /// Port number -> mode. Present but empty (`{}`) is rejected.
     #[serde(deserialize_with = "port_keyed")]
     pub port_level_mtls: BTreeMap<u16, Mtls>,
 }
@@ -172,7 +172,14 @@ pub enum MtlsMode {
 }
 
 fn port_keyed<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<u16, Mtls>, D::Error> {
-    let m: BTreeMap<String, Mtls> = nullable(d)?;
+    let Some(m) = Option::<BTreeMap<String, Mtls>>::deserialize(d)? else {
+        return Ok(BTreeMap::new());
+    };
+    if m.is_empty() {
+        return Err(de::Error::custom(
+            "the map is empty; leave portLevelMtls out, or list at least one port with its mode",
+        ));
+    }
     m.into_iter()
         .map(|(k, v)| {
             let port = k
@@ -204,8 +211,9 @@ pub struct AuthorizationPolicySpec {
     #[serde(deserialize_with = "nullable")]
     pub action: AuthorizationAction,
     pub provider: Option<ExtensionProvider>,
-    /// `None` (no `rules` field) and `Some([])` differ only for DENY/ALLOW
-    /// semantics in Istio in the same way: no rule matches nothing.
+    /// No `rules` field and `rules: []` are read the same: the policy
+    /// matches nothing — an ALLOW then allows nothing, and a DENY or CUSTOM
+    /// without rules is rejected at decoding.
     #[serde(deserialize_with = "nullable")]
     pub rules: Vec<AuthorizationRule>,
 }
@@ -252,9 +260,12 @@ pub enum AuthorizationAction {
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct AuthorizationRule {
-    #[serde(deserialize_with = "nullable")]
+    /// Any of the sources; none given = any source. `from: []` is rejected.
+    #[serde(deserialize_with = "non_empty_list")]
     pub from: Vec<RuleFrom>,
-    #[serde(deserialize_with = "nullable")]
+    /// Any of the operations; none given = any operation. `to: []` is
+    /// rejected.
+    #[serde(deserialize_with = "non_empty_list")]
     pub to: Vec<RuleTo>,
     #[serde(deserialize_with = "nullable")]
     pub when: Vec<Condition>,
@@ -297,6 +308,24 @@ pub struct Source {
     pub remote_ip_blocks: Vec<Cidr>,
     #[serde(deserialize_with = "nullable")]
     pub not_remote_ip_blocks: Vec<Cidr>,
+    /// `sa` (in the policy's namespace) or `namespace/sa`, any trust
+    /// domain; see [`service_account_ref`].
+    #[serde(deserialize_with = "nullable")]
+    pub service_accounts: Vec<String>,
+    #[serde(deserialize_with = "nullable")]
+    pub not_service_accounts: Vec<String>,
+    /// Decoded so that a policy using them is rejected (Ambit does not
+    /// enforce them yet) instead of read as a wider policy.
+    #[serde(deserialize_with = "nullable")]
+    pub trust_domains: Vec<String>,
+    #[serde(deserialize_with = "nullable")]
+    pub not_trust_domains: Vec<String>,
+}
+
+/// A `serviceAccounts` value as (namespace, service account): `ns/sa`, or a
+/// bare `sa` in `policy_namespace`.
+pub fn service_account_ref<'a>(value: &'a str, policy_namespace: &'a str) -> (&'a str, &'a str) {
+    value.split_once('/').unwrap_or((policy_namespace, value))
 }
 
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
@@ -331,6 +360,22 @@ pub struct Condition {
     pub not_values: Vec<String>,
 }
 
+/// A list that may be left out (or null) but not given empty: for
+/// `from`/`to` an empty list reads ambiguously (no source, or any source?),
+/// so Istio's validation refuses it and so do we.
+fn non_empty_list<'de, D, T>(d: D) -> Result<Vec<T>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    match Option::<Vec<T>>::deserialize(d)? {
+        Some(v) if v.is_empty() => Err(de::Error::custom(
+            "the list is empty; leave the field out to match anything, or list at least one entry",
+        )),
+        v => Ok(v.unwrap_or_default()),
+    }
+}
+
 /// A port in an AuthorizationPolicy: Istio writes them as strings ("8080"),
 /// people write numbers; both are accepted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -338,7 +383,7 @@ pub struct PolicyPort(pub u16);
 
 impl<'de> Deserialize<'de> for PolicyPort {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        parse_str(d, "a port number", |s| {
+        parse_scalar(d, "a port number", |s| {
             s.trim()
                 .parse::<i64>()
                 .map_err(|_| format!("{s:?} is not a port number"))

@@ -160,7 +160,11 @@ impl Kind {
                 "gateway.networking.k8s.io/v1",
                 "gateway.networking.k8s.io/v1alpha2",
             ],
-            Kind::TcpRoute => &["gateway.networking.k8s.io/v1alpha2"],
+            // Standard channel v1.5+: `v1`; experimental and older: `v1alpha2`.
+            Kind::TcpRoute => &[
+                "gateway.networking.k8s.io/v1",
+                "gateway.networking.k8s.io/v1alpha2",
+            ],
             Kind::Telemetry => &["telemetry.istio.io/v1", "telemetry.istio.io/v1alpha1"],
             Kind::MeshConfig => &["v1"],
         }
@@ -663,6 +667,20 @@ where
     D: Deserializer<'de>,
 {
     d.deserialize_str(ParseStr(parse, expecting))
+}
+
+/// Like [`parse_str`], for a field that may be written as a string or as a
+/// number in any format (a JSON number too: the API server keeps what a
+/// schema-less CRD was given).
+pub(crate) fn parse_scalar<'de, D, T>(
+    d: D,
+    expecting: &'static str,
+    parse: impl FnOnce(&str) -> Result<T, String>,
+) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+{
+    d.deserialize_any(ParseStr(parse, expecting))
 }
 
 fn parse_ip(s: &str) -> Result<Option<IpAddr>, String> {

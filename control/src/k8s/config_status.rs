@@ -21,7 +21,7 @@ use tracing::{info, warn};
 
 use super::call;
 use crate::model::snapshot::Snapshot;
-use crate::source::kube::WatchSpec;
+use crate::source::kube::Discovered;
 
 /// The kinds whose status this writes (Istio's, which carry
 /// `IstioStatus`).
@@ -43,13 +43,18 @@ pub async fn run(
     client: Client,
     snapshots: watch::Receiver<Arc<Snapshot>>,
     mut leader: watch::Receiver<bool>,
+    discovered: watch::Receiver<Discovered>,
 ) {
     loop {
         if leader.wait_for(|l| *l).await.is_err() {
             return;
         }
+        let writer = Writer {
+            client: client.clone(),
+            discovered: discovered.clone(),
+        };
         tokio::select! {
-            () = report_while_leading(&client, snapshots.clone()) => return,
+            () = report_while_leading(&writer, snapshots.clone()) => return,
             _ = leader.wait_for(|l| !*l) => {}
         }
     }
@@ -68,7 +73,13 @@ fn rejected(s: &Snapshot) -> BTreeMap<Key, String> {
         .collect()
 }
 
-async fn report_while_leading(client: &Client, mut snapshots: watch::Receiver<Arc<Snapshot>>) {
+/// Writes status at the version each kind is served as.
+struct Writer {
+    client: Client,
+    discovered: watch::Receiver<Discovered>,
+}
+
+async fn report_while_leading(client: &Writer, mut snapshots: watch::Receiver<Arc<Snapshot>>) {
     // What this leader has written: key → the message (empty once it wrote
     // Reconciled=True and forgot the object).
     let mut written: BTreeMap<Key, String> = BTreeMap::new();
@@ -111,12 +122,22 @@ async fn report_while_leading(client: &Client, mut snapshots: watch::Receiver<Ar
 }
 
 async fn write(
-    client: &Client,
+    writer: &Writer,
     (kind, ns, name): &Key,
     reason: Option<&String>,
 ) -> Result<(), super::K8sError> {
-    let spec = WatchSpec::of(*kind);
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &spec.resource);
+    let served = writer
+        .discovered
+        .borrow()
+        .served
+        .as_ref()
+        .and_then(|s| s.get(*kind))
+        .cloned();
+    // Not served (any more): the object went with its CRD.
+    let Some(ar) = served else {
+        return Ok(());
+    };
+    let api: Api<DynamicObject> = Api::namespaced_with(writer.client.clone(), ns, &ar);
     let now = k8s_openapi::jiff::Timestamp::now().to_string();
     let condition = match reason {
         Some(r) => json!({"type": "Reconciled", "status": "False", "reason": "Invalid",

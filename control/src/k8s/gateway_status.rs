@@ -19,6 +19,7 @@ use ambit_config::decode_json_value;
 use futures::StreamExt;
 use kube::Client;
 use kube::api::{Api, DynamicObject, Patch, PatchParams};
+use kube::discovery::ApiResource;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use serde_json::{Value, json};
@@ -26,7 +27,7 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 use super::call;
-use crate::source::kube::WatchSpec;
+use crate::source::kube::Discovered;
 
 /// Gateway classes whose Gateways are waypoints.
 pub const WAYPOINT_CLASSES: [&str; 2] = ["istio-waypoint", "ambit-waypoint"];
@@ -39,36 +40,54 @@ pub struct StatusOptions {
 }
 
 /// Runs while the process lives: writes status whenever this replica
-/// leads.
-pub async fn run(client: Client, mut leader: watch::Receiver<bool>, opts: StatusOptions) {
+/// leads and the API server serves Gateways (at the version discovery
+/// found).
+pub async fn run(
+    client: Client,
+    mut leader: watch::Receiver<bool>,
+    mut discovered: watch::Receiver<Discovered>,
+    opts: StatusOptions,
+) {
     loop {
         if leader.wait_for(|l| *l).await.is_err() {
             return;
         }
-        info!("leading: writing waypoint Gateway status");
+        let served = |d: &Discovered| {
+            d.served
+                .as_ref()
+                .and_then(|s| s.get(ambit_config::Kind::Gateway))
+                .cloned()
+        };
+        let Ok(ar) = discovered
+            .wait_for(|d| served(d).is_some())
+            .await
+            .map(|d| served(&d))
+        else {
+            return;
+        };
+        let Some(ar) = ar else { continue };
+        info!(api_version = %ar.api_version, "leading: writing waypoint Gateway status");
         tokio::select! {
-            () = write_while_leading(client.clone(), &opts) => {}
+            () = write_while_leading(client.clone(), &ar, &opts) => {}
             _ = leader.wait_for(|l| !*l) => {
                 info!("no longer leading: stopped writing Gateway status");
             }
+            _ = discovered.wait_for(|d| served(d).as_ref() != Some(&ar)) => {}
         }
     }
 }
 
-async fn write_while_leading(client: Client, opts: &StatusOptions) {
-    let spec = WatchSpec::of(ambit_config::Kind::Gateway);
-    let api: Api<DynamicObject> = Api::all_with(client.clone(), &spec.resource);
+async fn write_while_leading(client: Client, ar: &ApiResource, opts: &StatusOptions) {
+    let api: Api<DynamicObject> = Api::all_with(client.clone(), ar);
     let mut events = pin!(watcher::watcher(api, watcher::Config::default()).default_backoff());
     while let Some(ev) = events.next().await {
         match ev {
             Ok(Event::Apply(gw) | Event::InitApply(gw)) => {
-                if let Err(e) = reconcile(&client, &spec, gw, opts).await {
+                if let Err(e) = reconcile(&client, ar, gw, opts).await {
                     warn!(error = %e, "cannot write a Gateway's status; retried at its next change or relist");
                 }
             }
             Ok(_) => {}
-            // 404: the Gateway API CRDs are not installed; the backoff
-            // keeps trying.
             Err(e) => debug!(error = %e, "watching Gateways for status failed"),
         }
     }
@@ -152,7 +171,7 @@ fn same_status(current: &Value, desired: &Value) -> bool {
 
 async fn reconcile(
     client: &Client,
-    spec: &WatchSpec,
+    ar: &ApiResource,
     gw: DynamicObject,
     opts: &StatusOptions,
 ) -> Result<(), super::K8sError> {
@@ -160,8 +179,8 @@ async fn reconcile(
         return Ok(());
     };
     let mut value = gw.data;
-    value["apiVersion"] = json!(spec.resource.api_version);
-    value["kind"] = json!(spec.resource.kind);
+    value["apiVersion"] = json!(ar.api_version);
+    value["kind"] = json!(ar.kind);
     value["metadata"] = serde_json::to_value(&gw.metadata).unwrap_or(Value::Null);
     let now = k8s_openapi::jiff::Timestamp::now().to_string();
     let Some(desired) = desired_status(&value, &opts.domain, &now) else {
@@ -170,7 +189,7 @@ async fn reconcile(
     if same_status(&value["status"], &desired) {
         return Ok(());
     }
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &spec.resource);
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, ar);
     let patch = json!({"status": desired});
     call(
         format!("patching the status of Gateway {ns}/{name}"),

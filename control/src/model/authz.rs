@@ -5,8 +5,13 @@
 //!   without selector, WORKLOAD_SELECTOR with one (the policy is then listed
 //!   in each selected workload's `authorization_policies`);
 //! * a rule is a list of clauses that must all match: one clause with a
-//!   match per `to` operation, one with a match per `from` source, and two
-//!   per `when` condition (values / notValues);
+//!   match per `to` operation, one with a match per `from` source, and one
+//!   per `when` condition (values and notValues in one match);
+//! * `serviceAccounts` (`sa` in the policy's namespace, or `ns/sa`) and the
+//!   `source.serviceAccount` condition become principal matches on the
+//!   suffix `/ns/<ns>/sa/<sa>`: any trust domain, as Istio matches service
+//!   accounts (identity segments hold no `/`, so the suffix pins both
+//!   names);
 //! * L7 attributes cannot be checked by ztunnel (Istio's list: hosts,
 //!   methods, paths and their negations, requestPrincipals, remoteIpBlocks
 //!   and their negations, `when` keys other than the L4 ones): in an ALLOW
@@ -29,7 +34,7 @@ use super::snapshot::XdsResource;
 use super::store::NamespaceObjects;
 use ambit_config::objects::{
     AuthorizationAction, AuthorizationPolicy, AuthorizationRule, Cidr, Condition, Labels,
-    Operation, Source,
+    Operation, Source, service_account_ref,
 };
 
 /// Translates the namespace's policies, attaches selector policies to the
@@ -109,7 +114,7 @@ pub fn convert(ns: &str, pol: &AuthorizationPolicy, is_root: bool) -> Option<Aut
     let rules = spec
         .rules
         .iter()
-        .filter_map(|r| convert_rule(r, action))
+        .filter_map(|r| convert_rule(r, action, ns))
         .collect();
     Some(Authorization {
         name: name.clone(),
@@ -189,10 +194,11 @@ pub fn l7_warning(pol: &AuthorizationPolicy) -> Option<String> {
     ))
 }
 
-const L4_WHEN_KEYS: [&str; 5] = [
+const L4_WHEN_KEYS: [&str; 6] = [
     "source.ip",
     "source.namespace",
     "source.principal",
+    "source.serviceAccount",
     "destination.ip",
     "destination.port",
 ];
@@ -233,8 +239,9 @@ fn match_is_empty(m: &Match) -> bool {
 /// HTTP attributes then matches any connection, so its whole `to` / `from`
 /// clause (an OR) matches anything and is left out — emitting an empty
 /// match instead would make the clause match nothing (ztunnel's semantics)
-/// and the DENY would fail open.
-fn convert_rule(rule: &AuthorizationRule, action: Action) -> Option<Rule> {
+/// and the DENY would fail open. `ns` is the policy's namespace (for bare
+/// service account names).
+fn convert_rule(rule: &AuthorizationRule, action: Action, ns: &str) -> Option<Rule> {
     let allow = action == Action::Allow;
     let mut clauses = Vec::new();
     let mut to = Vec::with_capacity(rule.to.len());
@@ -267,8 +274,18 @@ fn convert_rule(rule: &AuthorizationRule, action: Action) -> Option<Rule> {
         let m = Match {
             namespaces: string_matches(&s.namespaces, false),
             not_namespaces: string_matches(&s.not_namespaces, false),
-            principals: string_matches(&s.principals, true),
-            not_principals: string_matches(&s.not_principals, true),
+            // Decoding refuses serviceAccounts next to principals, so
+            // each list holds one kind.
+            principals: [
+                string_matches(&s.principals, true),
+                service_account_matches(&s.service_accounts, ns),
+            ]
+            .concat(),
+            not_principals: [
+                string_matches(&s.not_principals, true),
+                service_account_matches(&s.not_service_accounts, ns),
+            ]
+            .concat(),
             source_ips: s.ip_blocks.iter().map(cidr).collect(),
             not_source_ips: s.not_ip_blocks.iter().map(cidr).collect(),
             ..Default::default()
@@ -290,13 +307,13 @@ fn convert_rule(rule: &AuthorizationRule, action: Action) -> Option<Rule> {
         // whose only match sets no field never matches (Istio's semantics),
         // which would make the whole rule unmatchable.
         clauses.push(Clause {
-            matches: vec![when_match(c)],
+            matches: vec![when_match(c, ns)],
         });
     }
     Some(Rule { clauses })
 }
 
-fn when_match(c: &Condition) -> Match {
+fn when_match(c: &Condition, ns: &str) -> Match {
     let mut m = Match::default();
     match c.key.as_str() {
         "source.namespace" => {
@@ -306,6 +323,10 @@ fn when_match(c: &Condition) -> Match {
         "source.principal" => {
             m.principals = string_matches(&c.values, true);
             m.not_principals = string_matches(&c.not_values, true);
+        }
+        "source.serviceAccount" => {
+            m.principals = service_account_matches(&c.values, ns);
+            m.not_principals = service_account_matches(&c.not_values, ns);
         }
         "source.ip" => {
             m.source_ips = cidrs(&c.values);
@@ -348,6 +369,20 @@ fn cidr(c: &Cidr) -> AuthzAddress {
         },
         length: c.len.into(),
     }
+}
+
+/// Service accounts (`sa` in `ns`, or `namespace/sa`) as principal
+/// matches on `/ns/<namespace>/sa/<sa>`, whatever the trust domain.
+fn service_account_matches(values: &[String], ns: &str) -> Vec<StringMatch> {
+    values
+        .iter()
+        .map(|v| {
+            let (namespace, sa) = service_account_ref(v, ns);
+            StringMatch {
+                match_type: Some(MatchType::Suffix(format!("/ns/{namespace}/sa/{sa}"))),
+            }
+        })
+        .collect()
 }
 
 /// `*` = presence, `*suffix`, `prefix*`, else exact; principals lose a

@@ -56,7 +56,7 @@ spec:
 apiVersion: security.istio.io/v1
 kind: AuthorizationPolicy
 metadata: {name: ext, namespace: a}
-spec: {action: CUSTOM, provider: {name: opa}}
+spec: {action: CUSTOM, provider: {name: opa}, rules: [{}]}
 ---
 apiVersion: security.istio.io/v1
 kind: AuthorizationPolicy
@@ -339,11 +339,14 @@ fn not_for_ztunnel() {
         ),
     ];
     for (case, spec) in cases {
-        let yaml = pod("a", "web", "10.0.0.1", "app: web")
-            + &policy_yaml(
-                "p",
-                &spec.replacen('{', "{selector: {matchLabels: {app: web}}, ", 1),
-            );
+        // A selector where the policy has no targetRef(s): Istio allows only
+        // one of them.
+        let spec = if spec.contains("targetRef") {
+            spec.to_string()
+        } else {
+            spec.replacen('{', "{selector: {matchLabels: {app: web}}, ", 1)
+        };
+        let yaml = pod("a", "web", "10.0.0.1", "app: web") + &policy_yaml("p", &spec);
         let out = build(&yaml);
         assert!(out.policies.is_empty(), "{case}: {:?}", out.policies);
         assert!(
@@ -393,4 +396,58 @@ fn l7_warning_names_policy_and_fields() {
             _ => panic!("{spec}: {got:?}"),
         }
     }
+}
+
+/// `serviceAccounts` (`ns/sa`, or `sa` in the policy's namespace) become
+/// principal matches on `/ns/<ns>/sa/<sa>` (any trust domain, as Istio):
+/// a source holding only them is a real constraint, never a match-all
+/// source, and the `not` form and the `source.serviceAccount` condition
+/// follow the same rule.
+#[test]
+fn service_accounts_become_principal_matches() {
+    let suffix = |s: &str| sm(MatchType::Suffix(s.into()));
+    let yaml = pod("a", "web", "10.0.0.1", "app: web")
+        + &policy_yaml(
+            "sa",
+            "{selector: {matchLabels: {app: web}}, rules: [{from: [{source: {serviceAccounts: [other/sa, sa]}}]}]}",
+        )
+        + &policy_yaml(
+            "not-sa",
+            "{action: DENY, rules: [{from: [{source: {notServiceAccounts: [client]}}], to: [{operation: {ports: ['8080']}}]}]}",
+        )
+        + &policy_yaml(
+            "when-sa",
+            "{rules: [{when: [{key: source.serviceAccount, values: [b/x], notValues: [y]}]}]}",
+        );
+    let out = build(&yaml);
+
+    let p = &out.policies["a/sa"];
+    assert_eq!(p.rules.len(), 1, "the rule is L4: kept");
+    let clauses = &p.rules[0].clauses;
+    assert_eq!(clauses.len(), 1, "one `from` clause");
+    let m = &clauses[0].matches[0];
+    assert_eq!(
+        m.principals,
+        vec![suffix("/ns/other/sa/sa"), suffix("/ns/a/sa/sa")]
+    );
+    assert_ne!(*m, Default::default(), "not an empty (match-all) source");
+    assert!(m.namespaces.is_empty() && m.not_principals.is_empty());
+    assert_eq!(
+        out.workloads[&uid("a", "web")].authorization_policies,
+        vec!["a/sa".to_string()]
+    );
+
+    let deny = &out.policies["a/not-sa"];
+    let c = &deny.rules[0].clauses;
+    assert_eq!(c.len(), 2, "to + from: the DENY keeps its source");
+    assert_eq!(
+        c[1].matches[0].not_principals,
+        vec![suffix("/ns/a/sa/client")]
+    );
+
+    let when = &out.policies["a/when-sa"];
+    assert_eq!(when.rules.len(), 1, "source.serviceAccount is an L4 key");
+    let m = &when.rules[0].clauses[0].matches[0];
+    assert_eq!(m.principals, vec![suffix("/ns/b/sa/x")]);
+    assert_eq!(m.not_principals, vec![suffix("/ns/a/sa/y")]);
 }

@@ -142,6 +142,42 @@ fn parse_path(s: &State, path: &str) -> Result<Target, Failure> {
     })
 }
 
+/// `GET /apis` as aggregated discovery (`APIGroupDiscoveryList`): every
+/// group version the fake serves now, with its resources.
+fn aggregated_discovery(s: &State) -> Value {
+    let mut groups: std::collections::BTreeMap<&str, std::collections::BTreeMap<&str, Vec<Value>>> =
+        std::collections::BTreeMap::new();
+    for r in s.resources.values() {
+        if r.def.group.is_empty() {
+            continue;
+        }
+        groups
+            .entry(&r.def.group)
+            .or_default()
+            .entry(&r.def.version)
+            .or_default()
+            .push(json!({
+                "resource": r.def.plural,
+                "responseKind": {"group": r.def.group, "version": r.def.version, "kind": r.def.kind},
+                "scope": if r.def.namespaced { "Namespaced" } else { "Cluster" },
+                "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
+            }));
+    }
+    let items: Vec<Value> = groups
+        .into_iter()
+        .map(|(group, versions)| {
+            json!({
+                "metadata": {"name": group},
+                "versions": versions.into_iter().map(|(v, resources)| json!({
+                    "version": v, "resources": resources, "freshness": "Current",
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    json!({"kind": "APIGroupDiscoveryList", "apiVersion": "apidiscovery.k8s.io/v2",
+           "metadata": {}, "items": items})
+}
+
 fn verb(method: &Method, t: &Target, q: &HashMap<String, String>) -> &'static str {
     let watch = q.get("watch").is_some_and(|w| w == "true" || w == "1");
     match (method.as_str(), t.name.is_some()) {
@@ -183,6 +219,9 @@ async fn handle(state: Shared, req: Request<Incoming>) -> Response<Body> {
         _ => Bytes::new(),
     };
     let mut s = lock(&state);
+    if method == Method::GET && uri.path().trim_end_matches('/') == "/apis" {
+        return full(200, &aggregated_discovery(&s));
+    }
     let target = match parse_path(&s, uri.path()) {
         Ok(t) => t,
         Err(f) => return fail(f),

@@ -13,9 +13,15 @@ use super::out;
 
 #[derive(Debug, Args)]
 pub struct InstallArgs {
-    /// Print the manifests (with --set applied) instead of applying them.
+    /// Print the manifests (with --set applied) instead of applying them;
+    /// `kubectl apply --server-side -f -` takes the output as it is.
     #[arg(long)]
     dry_run: bool,
+    /// With --dry-run: also print Istio's CRDs for the kinds Ambit serves
+    /// (for a cluster without Istio's CRDs; install applies them by itself
+    /// where they are absent).
+    #[arg(long, requires = "dry_run")]
+    include_crds: bool,
     /// KEY=VALUE: image=REGISTRY/PREFIX, tag=TAG, replicas=N (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
@@ -48,6 +54,12 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 pub fn install(args: InstallArgs) -> Result<ExitCode> {
     let docs = install::render(&Values::parse(&args.set)?)?;
     if args.dry_run {
+        if !args.include_crds {
+            out(
+                "# Without Istio's CRDs (VirtualService, AuthorizationPolicy, ...): on a cluster\n# that has none, add --include-crds or apply deploy/kubernetes/crds first.\n",
+            );
+        }
+        let docs = install::dry_run_documents(&docs, args.include_crds);
         out(&install::to_yaml(&docs)?);
         return Ok(ExitCode::SUCCESS);
     }

@@ -3,24 +3,32 @@
 //! apply (field manager `ambitctl`), or removed.
 //!
 //! - `--set image=REGISTRY` replaces the image registry/prefix
-//!   (`ghcr.io/ambit-mesh`), `--set tag=TAG` every image's tag,
-//!   `--set replicas=N` the control plane's replicas.
-//! - CRDs that exist already and are not Ambit's (Istio's) are left alone.
-//! - Uninstall first turns the node-agent DaemonSet into a cleaner (its
-//!   pods run `ambit-node-agent --uninstall --hold`, which removes
-//!   ambit-cni from the node's conflist and bin dir, then report ready),
-//!   waits until every node's pod is ready, then deletes everything in
-//!   reverse order; CRDs are kept unless asked (they hold users' objects).
+//!   (`ghcr.io/ambit-mesh`), `--set tag=TAG` every image's tag — the
+//!   workloads' and the proxy image the control plane injects
+//!   (`PROXY_IMAGE`) — and `--set replicas=N` the control plane's replicas.
+//!   Only those fields change: every other object renders as written.
+//! - The Istio CRDs (`deploy/kubernetes/crds`) are applied only where no
+//!   CRD of that name exists or it is Ambit's; Istio's are left alone.
+//! - Applying is idempotent: each object is reported `created`,
+//!   `configured` or `unchanged` (its resourceVersion did not move).
+//! - Uninstall ([`remove`]) first turns the installed node-agent DaemonSet
+//!   into a cleaner, then deletes everything in reverse order.
 //!
 //! Every API call is bounded by [`CALL_TIMEOUT`]; waits by the caller's
 //! timeout.
 
+mod apply;
+mod remove;
+
 use std::time::Duration;
 
-use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
+use kube::api::{Api, DynamicObject};
 use kube::discovery::ApiResource;
 use kube::{Client, Config};
 use serde_json::{Value, json};
+
+pub use apply::apply;
+pub use remove::uninstall;
 
 /// The manifests, in apply order.
 pub const MANIFESTS: [(&str, &str); 7] = [
@@ -29,8 +37,8 @@ pub const MANIFESTS: [(&str, &str); 7] = [
         include_str!("../../../../deploy/kubernetes/00-namespace.yaml"),
     ),
     (
-        "01-crds.yaml",
-        include_str!("../../../../deploy/kubernetes/01-crds.yaml"),
+        "crds/istio-crds.yaml",
+        include_str!("../../../../deploy/kubernetes/crds/istio-crds.yaml"),
     ),
     (
         "02-rbac.yaml",
@@ -60,7 +68,11 @@ pub const DEFAULT_IMAGE_PREFIX: &str = "ghcr.io/ambit-mesh";
 pub const FIELD_MANAGER: &str = "ambitctl";
 /// Deadline of one API call.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
-const PART_OF: &str = "app.kubernetes.io/part-of";
+/// The label every object of the manifests carries.
+pub const PART_OF: &str = "app.kubernetes.io/part-of";
+/// Environment variables of the manifests' containers that name an image
+/// (rewritten by `--set image=` / `tag=` like the containers' own).
+const IMAGE_ENV: [&str; 1] = ["PROXY_IMAGE"];
 
 /// Why install or uninstall failed.
 #[derive(Debug, thiserror::Error)]
@@ -109,9 +121,27 @@ impl Values {
         }
         Ok(v)
     }
+
+    /// `image` with the registry and tag these values ask for.
+    fn retag(&self, image: &str) -> String {
+        // A tag is what follows the last `:` after the last `/` (a
+        // registry's port is not one).
+        let (repo, tag) = match image.rsplit_once(':') {
+            Some((r, t)) if !t.contains('/') => (r, t),
+            _ => (image, "latest"),
+        };
+        let repo = match &self.image {
+            Some(prefix) => {
+                let name = repo.rsplit_once('/').map_or(repo, |(_, n)| n);
+                format!("{prefix}/{name}")
+            }
+            None => repo.to_string(),
+        };
+        format!("{repo}:{}", self.tag.as_deref().unwrap_or(tag))
+    }
 }
 
-/// Every document of the manifests with `values` applied.
+/// Every document of the manifests with `values` applied, in apply order.
 pub fn render(values: &Values) -> Result<Vec<Value>, InstallError> {
     let mut out = Vec::new();
     for (file, text) in MANIFESTS {
@@ -128,30 +158,55 @@ pub fn render(values: &Values) -> Result<Vec<Value>, InstallError> {
     Ok(out)
 }
 
+/// Applies `values` to a workload's pod template; any other document is
+/// left exactly as written (no key is added to it).
 fn set_values(doc: &mut Value, values: &Values) {
-    if doc["kind"] == "Deployment"
-        && let Some(n) = values.replicas
-    {
-        doc["spec"]["replicas"] = json!(n);
+    let kind = doc.get("kind").and_then(Value::as_str).unwrap_or_default();
+    if !matches!(kind, "Deployment" | "DaemonSet") {
+        return;
     }
-    let Some(containers) = doc["spec"]["template"]["spec"]["containers"].as_array_mut() else {
+    if kind == "Deployment"
+        && let Some(n) = values.replicas
+        && let Some(spec) = doc.get_mut("spec").and_then(Value::as_object_mut)
+    {
+        spec.insert("replicas".into(), json!(n));
+    }
+    let Some(containers) = doc
+        .pointer_mut("/spec/template/spec/containers")
+        .and_then(Value::as_array_mut)
+    else {
         return;
     };
     for c in containers {
-        let Some(image) = c["image"].as_str() else {
+        if let Some(image) = c.get("image").and_then(Value::as_str) {
+            let image = values.retag(image);
+            c["image"] = json!(image);
+        }
+        let Some(env) = c.get_mut("env").and_then(Value::as_array_mut) else {
             continue;
         };
-        let (repo, tag) = image.rsplit_once(':').unwrap_or((image, "latest"));
-        let name = repo.rsplit_once('/').map_or(repo, |(_, n)| n);
-        let prefix = values.image.as_deref().unwrap_or(DEFAULT_IMAGE_PREFIX);
-        let repo = if values.image.is_some() {
-            format!("{prefix}/{name}")
-        } else {
-            repo.to_string()
-        };
-        let tag = values.tag.as_deref().unwrap_or(tag);
-        c["image"] = json!(format!("{repo}:{tag}"));
+        for var in env {
+            let named = var
+                .get("name")
+                .and_then(Value::as_str)
+                .is_some_and(|n| IMAGE_ENV.contains(&n));
+            if named && let Some(image) = var.get("value").and_then(Value::as_str) {
+                let image = values.retag(image);
+                var["value"] = json!(image);
+            }
+        }
     }
+}
+
+/// What `--dry-run` prints: every document, the CRDs only with
+/// `include_crds`. Without them the output applies as it is to any cluster
+/// (`kubectl apply --server-side` would conflict with Istio's own CRDs
+/// where they are installed).
+pub fn dry_run_documents(docs: &[Value], include_crds: bool) -> Vec<Value> {
+    docs.iter()
+        .filter(|d| include_crds || d["kind"] != "CustomResourceDefinition")
+        .cloned()
+        .collect()
 }
 
 /// The documents as one YAML stream (`--dry-run`).
@@ -187,7 +242,8 @@ pub async fn client(kubeconfig: Option<&std::path::Path>) -> Result<Client, Inst
     Client::try_from(config).map_err(|e| err(e.to_string()))
 }
 
-/// The API resource of a manifest's document.
+/// The API resource of a manifest's document, and whether it is
+/// namespaced.
 fn resource_of(doc: &Value) -> Result<(ApiResource, bool), InstallError> {
     let api_version = doc["apiVersion"].as_str().unwrap_or_default();
     let kind = doc["kind"].as_str().unwrap_or_default();
@@ -224,23 +280,28 @@ fn resource_of(doc: &Value) -> Result<(ApiResource, bool), InstallError> {
     ))
 }
 
+/// The API of a manifest's document and a label for messages
+/// (`Deployment ambit-system/ambit-control`).
 fn api_for(client: &Client, doc: &Value) -> Result<(Api<DynamicObject>, String), InstallError> {
     let (ar, namespaced) = resource_of(doc)?;
-    let name = doc["metadata"]["name"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    let api = if namespaced {
+    let name = doc["metadata"]["name"].as_str().unwrap_or_default();
+    Ok(if namespaced {
         let ns = doc["metadata"]["namespace"]
             .as_str()
             .unwrap_or("ambit-system");
-        Api::namespaced_with(client.clone(), ns, &ar)
+        (
+            Api::namespaced_with(client.clone(), ns, &ar),
+            format!("{} {ns}/{name}", ar.kind),
+        )
     } else {
-        Api::all_with(client.clone(), &ar)
-    };
-    Ok((api, format!("{} {name}", ar.kind)))
+        (
+            Api::all_with(client.clone(), &ar),
+            format!("{} {name}", ar.kind),
+        )
+    })
 }
 
+/// One API call bounded by [`CALL_TIMEOUT`].
 async fn bounded<T>(
     what: &str,
     fut: impl std::future::Future<Output = Result<T, kube::Error>>,
@@ -258,165 +319,5 @@ async fn bounded<T>(
     }
 }
 
-/// Applies `docs` in order with server-side apply; returns one line per
-/// object (`applied`, or `skipped` with the reason).
-pub async fn apply(client: &Client, docs: &[Value]) -> Result<Vec<String>, InstallError> {
-    let mut report = Vec::new();
-    let params = PatchParams::apply(FIELD_MANAGER).force();
-    for doc in docs {
-        let (api, label) = api_for(client, doc)?;
-        let name = doc["metadata"]["name"].as_str().unwrap_or_default();
-        if doc["kind"] == "CustomResourceDefinition" {
-            let existing = bounded(&format!("reading {label}"), api.get_opt(name)).await?;
-            if let Some(crd) = existing {
-                let ours = crd.metadata.labels.as_ref().and_then(|l| l.get(PART_OF))
-                    == Some(&"ambit".to_string());
-                if !ours {
-                    report.push(format!(
-                        "skipped {label} (installed by someone else, e.g. Istio)"
-                    ));
-                    continue;
-                }
-            }
-        }
-        bounded(
-            &format!("applying {label}"),
-            api.patch(name, &params, &Patch::Apply(doc)),
-        )
-        .await?;
-        report.push(format!("applied {label}"));
-    }
-    Ok(report)
-}
-
-/// Removes what [`apply`] created: cleans every node's CNI configuration
-/// through the node-agent DaemonSet (bounded by `wait`), then deletes the
-/// objects in reverse order (CRDs only with `delete_crds`).
-pub async fn uninstall(
-    client: &Client,
-    docs: &[Value],
-    wait: Duration,
-    delete_crds: bool,
-) -> Result<Vec<String>, InstallError> {
-    let mut report = Vec::new();
-    if let Some(agent) = docs
-        .iter()
-        .find(|d| d["kind"] == "DaemonSet" && d["metadata"]["name"] == "ambit-node-agent")
-    {
-        report.push(clean_nodes(client, agent, wait).await?);
-    }
-    for doc in docs.iter().rev() {
-        if doc["kind"] == "CustomResourceDefinition" && !delete_crds {
-            continue;
-        }
-        let (api, label) = api_for(client, doc)?;
-        let name = doc["metadata"]["name"].as_str().unwrap_or_default();
-        match bounded(
-            &format!("deleting {label}"),
-            api.delete(name, &DeleteParams::background()),
-        )
-        .await
-        {
-            Ok(_) => report.push(format!("deleted {label}")),
-            Err(InstallError::Api { reason, .. })
-                if reason.contains("NotFound") || reason.contains("not found") =>
-            {
-                report.push(format!("absent {label}"))
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(report)
-}
-
-/// Rolls the node agent into `--uninstall --hold` and waits until every
-/// scheduled pod of the new generation is ready (its node is clean).
-async fn clean_nodes(
-    client: &Client,
-    agent: &Value,
-    wait: Duration,
-) -> Result<String, InstallError> {
-    let (api, label) = api_for(client, agent)?;
-    let name = agent["metadata"]["name"].as_str().unwrap_or_default();
-    let Some(_) = bounded(&format!("reading {label}"), api.get_opt(name)).await? else {
-        return Ok(format!("absent {label} (no node to clean)"));
-    };
-    let mut cleaner = agent.clone();
-    let c = &mut cleaner["spec"]["template"]["spec"]["containers"][0];
-    c["args"] = json!(["--uninstall", "--hold"]);
-    c["readinessProbe"] =
-        json!({"exec": {"command": ["test", "-f", "/tmp/uninstalled"]}, "periodSeconds": 2});
-    let applied = bounded(
-        &format!("turning {label} into the CNI cleaner"),
-        api.patch(
-            name,
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&cleaner),
-        ),
-    )
-    .await?;
-    let generation = applied.metadata.generation.unwrap_or(0);
-    let start = tokio::time::Instant::now();
-    loop {
-        let ds = bounded(&format!("reading {label}"), api.get(name)).await?;
-        let st = &ds.data["status"];
-        let n = |k: &str| st[k].as_i64().unwrap_or(-1);
-        let done = n("observedGeneration") >= generation
-            && n("desiredNumberScheduled") >= 0
-            && n("updatedNumberScheduled") == n("desiredNumberScheduled")
-            && n("numberReady") == n("desiredNumberScheduled");
-        if done {
-            return Ok(format!(
-                "removed ambit-cni from the CNI configuration of {} node(s)",
-                n("desiredNumberScheduled")
-            ));
-        }
-        if start.elapsed() > wait {
-            return Err(InstallError::Timeout {
-                what: format!(
-                    "waiting for every node to remove ambit-cni ({label}: {} of {} done); see `kubectl -n ambit-system get pods -l app=ambit-node-agent`",
-                    n("numberReady").max(0),
-                    n("desiredNumberScheduled").max(0)
-                ),
-                limit: wait,
-            });
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn set_values_change_images_tags_and_replicas() {
-        let v = Values::parse(&[
-            "image=registry.local:5000/me/".into(),
-            "tag=dev".into(),
-            "replicas=3".into(),
-        ])
-        .unwrap_or_default();
-        assert_eq!(v.replicas, Some(3));
-        let docs = render(&v).unwrap_or_default();
-        let images: Vec<String> = docs
-            .iter()
-            .filter_map(|d| d["spec"]["template"]["spec"]["containers"].as_array())
-            .flatten()
-            .filter_map(|c| c["image"].as_str().map(str::to_string))
-            .collect();
-        assert_eq!(
-            images,
-            [
-                "registry.local:5000/me/ambit-control:dev",
-                "registry.local:5000/me/ztunnel:dev",
-                "registry.local:5000/me/ambit-node-agent:dev"
-            ]
-        );
-        let d = docs.iter().find(|d| d["kind"] == "Deployment");
-        assert_eq!(d.map(|d| d["spec"]["replicas"].clone()), Some(json!(3)));
-        assert!(Values::parse(&["replicas=0".into()]).is_err());
-        assert!(Values::parse(&["colour=blue".into()]).is_err());
-        assert!(to_yaml(&docs).is_ok_and(|y| y.matches("\n---\n").count() + 1 == docs.len()));
-    }
-}
+mod tests;

@@ -14,8 +14,9 @@
 //! with the failing field's path in the message (`spec.ports[0].port`).
 //!
 //! Decoding checks the schema and what serde cannot express (IP syntax of
-//! string fields, required names, `when` condition values); warnings about
-//! what the control plane will not enforce are the control plane's business.
+//! string fields, required names, and for the security kinds everything
+//! Istio's validation refuses — `policy.rs`); warnings about what the
+//! control plane will not enforce are the control plane's business.
 
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
@@ -25,6 +26,7 @@ use crate::limits::MAX_DOCUMENT_BYTES;
 use crate::objects::{Kind, MESH_CONFIG_MAP, Object, ObjectKey, ROOT_NAMESPACES};
 
 mod head;
+mod policy;
 mod validate;
 mod yaml;
 
@@ -34,6 +36,8 @@ use head::{Field, Head};
 mod gateway_api_tests;
 #[cfg(test)]
 mod istio_traffic_tests;
+#[cfg(test)]
+mod policy_validation_tests;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]

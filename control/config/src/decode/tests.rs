@@ -32,6 +32,7 @@ fn api_versions_table() {
         ("gateway.networking.k8s.io/v1alpha2", "HTTPRoute", false),
         ("gateway.networking.k8s.io/v1", "GRPCRoute", true),
         ("gateway.networking.k8s.io/v1alpha2", "TCPRoute", true),
+        ("gateway.networking.k8s.io/v1", "TCPRoute", true),
         ("v1", "Gateway", false),
         ("v1", "Node", true),
     ];

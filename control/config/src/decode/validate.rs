@@ -1,12 +1,13 @@
 //! Checks of decoded objects that serde cannot express (IP syntax of string
-//! fields, required port numbers, `when` condition values), and the derived
-//! fields they fill (service VIPs, endpoint IPs).
+//! fields, required port numbers; the security kinds' checks are in
+//! `policy.rs`), and the derived fields they fill (service VIPs, endpoint
+//! IPs).
 
 use std::net::IpAddr;
 
 use tracing::debug;
 
-use crate::objects::{AuthorizationPolicy, Cidr, Object};
+use crate::objects::{Cidr, Object};
 
 /// Checks what serde cannot and fills derived fields.
 pub(super) fn validate(obj: &mut Object) -> Result<(), String> {
@@ -107,7 +108,8 @@ pub(super) fn validate(obj: &mut Object) -> Result<(), String> {
                 }
             }
         }
-        Object::AuthorizationPolicy(ap) => validate_policy(ap)?,
+        Object::AuthorizationPolicy(ap) => super::policy::validate_policy(ap)?,
+        Object::PeerAuthentication(pa) => super::policy::validate_peer_authentication(pa)?,
         Object::Telemetry(t) => validate_telemetry(t)?,
         Object::MeshConfig(m) => decode_mesh_config(m)?,
         // The traffic kinds check themselves while deserializing (their
@@ -115,7 +117,6 @@ pub(super) fn validate(obj: &mut Object) -> Result<(), String> {
         // plane's and `ambitctl analyze`'s.
         Object::Namespace(_)
         | Object::WorkloadEntry(_)
-        | Object::PeerAuthentication(_)
         | Object::VirtualService(_)
         | Object::DestinationRule(_)
         | Object::Sidecar(_)
@@ -124,39 +125,6 @@ pub(super) fn validate(obj: &mut Object) -> Result<(), String> {
         | Object::GrpcRoute(_)
         | Object::TcpRoute(_)
         | Object::Node(_) => {}
-    }
-    Ok(())
-}
-
-fn validate_policy(ap: &AuthorizationPolicy) -> Result<(), String> {
-    for (i, r) in ap.spec.rules.iter().enumerate() {
-        for (j, c) in r.when.iter().enumerate() {
-            let at = format!("spec.rules[{i}].when[{j}]");
-            let values = c.values.iter().chain(&c.not_values);
-            match c.key.as_str() {
-                "" => {
-                    return Err(format!(
-                        "{at}.key is missing; name the attribute, e.g. source.ip"
-                    ));
-                }
-                "source.ip" | "destination.ip" => {
-                    for v in values {
-                        v.parse::<Cidr>()
-                            .map_err(|e| format!("{at}: {e}; use IPs or CIDRs as values"))?;
-                    }
-                }
-                "destination.port" => {
-                    for v in values {
-                        if v.trim().parse::<u16>().ok().filter(|p| *p != 0).is_none() {
-                            return Err(format!(
-                                "{at}: {v:?} is not a port number; use numbers 1-65535 as values"
-                            ));
-                        }
-                    }
-                }
-                _ => {}
-            }
-        }
     }
     Ok(())
 }

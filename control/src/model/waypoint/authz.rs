@@ -23,7 +23,8 @@
 use std::collections::BTreeMap;
 
 use ambit_config::objects::{
-    AuthorizationAction, AuthorizationPolicy, AuthorizationRule, Cidr, Condition, Operation, Source,
+    AuthorizationAction, AuthorizationPolicy, AuthorizationRule, Cidr, Condition, Operation,
+    Source, service_account_ref,
 };
 use envoy_types::pb::envoy::config::core::v3::CidrRange;
 use envoy_types::pb::envoy::config::rbac::v3::{
@@ -241,7 +242,7 @@ fn envoy_policy(
         let sources: Vec<Principal> = rule
             .from
             .iter()
-            .filter_map(|f| source(&f.source, allow, &mut unsupported))
+            .filter_map(|f| source(&f.source, ns_of(p), allow, &mut unsupported))
             .collect();
         if sources.is_empty() {
             return None;
@@ -268,7 +269,7 @@ fn envoy_policy(
             }
             continue;
         }
-        match condition(c) {
+        match condition(c, ns_of(p)) {
             Some(Cond::Principal(x)) => principals.push(x),
             Some(Cond::Permission(x)) => permissions.push(x),
             None => {
@@ -451,8 +452,35 @@ fn ip_id(c: &Cidr, direct: bool) -> Principal {
     }
 }
 
+/// A service account (`ns/sa`, or `sa` of the policy's namespace) as a
+/// match on the SPIFFE URI's `ns` and `sa` parts, any trust domain.
+fn service_account_id(v: &str, policy_ns: &str) -> Principal {
+    let (ns, sa) = service_account_ref(v, policy_ns);
+    peer(StringMatcher {
+        match_pattern: Some(MatchPattern::SafeRegex(RegexMatcher {
+            regex: format!(
+                "spiffe://[^/]+/ns/{}/sa/{}",
+                regex_escape(ns),
+                regex_escape(sa)
+            ),
+            ..Default::default()
+        })),
+        ignore_case: false,
+    })
+}
+
+/// The namespace a policy is in.
+fn ns_of(p: &AuthorizationPolicy) -> &str {
+    p.metadata.namespace.as_str()
+}
+
 /// A source: every field given must match.
-fn source(s: &Source, allow: bool, unsupported: &mut Vec<String>) -> Option<Principal> {
+fn source(
+    s: &Source,
+    policy_ns: &str,
+    allow: bool,
+    unsupported: &mut Vec<String>,
+) -> Option<Principal> {
     let mut ids = Vec::new();
     let any_of = |vals: &[String], f: &dyn Fn(&str) -> Principal| {
         or_ids(vals.iter().map(|v| f(v)).collect())
@@ -468,6 +496,13 @@ fn source(s: &Source, allow: bool, unsupported: &mut Vec<String>) -> Option<Prin
     }
     if !s.not_namespaces.is_empty() {
         ids.push(not_id(any_of(&s.not_namespaces, &namespace_id)));
+    }
+    let account = |v: &str| service_account_id(v, policy_ns);
+    if !s.service_accounts.is_empty() {
+        ids.push(any_of(&s.service_accounts, &account));
+    }
+    if !s.not_service_accounts.is_empty() {
+        ids.push(not_id(any_of(&s.not_service_accounts, &account)));
     }
     for (blocks, direct, negate) in [
         (&s.ip_blocks, true, false),
@@ -598,7 +633,7 @@ enum Cond {
 }
 
 /// A `when` condition, or `None` for a key the waypoint cannot check.
-fn condition(c: &Condition) -> Option<Cond> {
+fn condition(c: &Condition, policy_ns: &str) -> Option<Cond> {
     let key = c.key.as_str();
     let cidrs = |vals: &[String]| -> Vec<Cidr> {
         vals.iter()
@@ -642,6 +677,7 @@ fn condition(c: &Condition) -> Option<Cond> {
         }
         "source.namespace" => Some(principal_cond(&namespace_id)),
         "source.principal" => Some(principal_cond(&|v| principal_id(v))),
+        "source.serviceAccount" => Some(principal_cond(&|v| service_account_id(v, policy_ns))),
         "destination.ip" => {
             let to = |vals: &[String]| {
                 or_rules(
@@ -682,4 +718,51 @@ fn regex_escape(s: &str) -> String {
         out.push(c);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The regex a peer identity must match, from a one-principal source.
+    fn regex_of(p: &Principal) -> Option<String> {
+        match &p.identifier {
+            Some(principal::Identifier::FilterState(f)) => match &f.matcher {
+                Some(filter_state_matcher::Matcher::StringMatch(StringMatcher {
+                    match_pattern: Some(MatchPattern::SafeRegex(r)),
+                    ..
+                })) => Some(r.regex.clone()),
+                _ => None,
+            },
+            Some(principal::Identifier::AndIds(ids)) => ids.ids.iter().find_map(regex_of),
+            Some(principal::Identifier::OrIds(ids)) => ids.ids.iter().find_map(regex_of),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn service_accounts_match_their_namespace_and_account_only() {
+        let s = Source {
+            service_accounts: vec!["shop/web.v2".into()],
+            ..Source::default()
+        };
+        let mut unsupported = Vec::new();
+        let p = source(&s, "ai", true, &mut unsupported);
+        assert!(unsupported.is_empty());
+        assert_eq!(
+            p.as_ref().and_then(regex_of).as_deref(),
+            Some(r"spiffe://[^/]+/ns/shop/sa/web\.v2"),
+            "an explicit namespace, dots escaped"
+        );
+        let s = Source {
+            service_accounts: vec!["llm".into()],
+            ..Source::default()
+        };
+        let p = source(&s, "ai", true, &mut unsupported);
+        assert_eq!(
+            p.as_ref().and_then(regex_of).as_deref(),
+            Some("spiffe://[^/]+/ns/ai/sa/llm"),
+            "a bare account is of the policy's namespace"
+        );
+    }
 }

@@ -1,5 +1,7 @@
 //! What the Kubernetes source watches: one entry per [`Kind`] the model
-//! knows, with the API resource it is served as.
+//! knows, with its API group, plural and the versions the decoder
+//! understands. Which of those versions a cluster serves is found by
+//! discovery ([`super::discovery`]), never assumed.
 
 use ambit_config::Kind;
 use kube::discovery::ApiResource;
@@ -8,15 +10,20 @@ use kube::discovery::ApiResource;
 #[derive(Debug, Clone)]
 pub struct WatchSpec {
     pub kind: Kind,
-    /// Group, version, kind and plural as the API server serves them.
-    pub resource: ApiResource,
+    /// API group (`""` for the core group).
+    pub group: &'static str,
+    /// Resource name in URLs and RBAC rules (`virtualservices`).
+    pub plural: &'static str,
+    /// Versions `ambit-config` decodes, most preferred first; discovery
+    /// picks the first one the API server serves.
+    pub versions: Vec<&'static str>,
     /// Watched as `PartialObjectMetadata`: the model reads only the
     /// metadata of this kind (labels, annotations), so the API server
     /// sends nothing else.
     pub metadata_only: bool,
-    /// Served by a CustomResourceDefinition that may not be installed: a
-    /// `404` on its list counts as "synced, empty" for readiness (warned
-    /// once) and the watch keeps retrying until the CRD appears.
+    /// Served by a CustomResourceDefinition that may not be installed: when
+    /// discovery finds none of its versions served, it is absent (empty,
+    /// not waited for) until a later discovery finds it.
     pub optional: bool,
     /// A field selector narrowing the watch (`metadata.name=istio` for
     /// the mesh configuration: of the ConfigMaps, only that one is
@@ -24,28 +31,15 @@ pub struct WatchSpec {
     pub field_selector: Option<&'static str>,
 }
 
-fn resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource {
-    let api_version = if group.is_empty() {
-        version.to_string()
-    } else {
-        format!("{group}/{version}")
-    };
-    ApiResource {
-        group: group.to_string(),
-        version: version.to_string(),
-        api_version,
-        kind: kind.to_string(),
-        plural: plural.to_string(),
-    }
-}
-
 impl WatchSpec {
-    /// The spec of `kind`: the version watched is the newest one
-    /// `ambit-config` accepts for it (`Kind::api_versions()[0]`).
+    /// The spec of `kind`.
     pub fn of(kind: Kind) -> WatchSpec {
-        let (group, version) = kind.api_versions()[0]
-            .rsplit_once('/')
-            .unwrap_or(("", kind.api_versions()[0]));
+        let group = kind.group();
+        let versions = kind
+            .api_versions()
+            .iter()
+            .map(|av| av.rsplit_once('/').map_or(*av, |(_, v)| v))
+            .collect();
         let plural = match kind {
             Kind::Namespace => "namespaces",
             Kind::Pod => "pods",
@@ -68,10 +62,11 @@ impl WatchSpec {
         };
         WatchSpec {
             kind,
-            resource: resource(group, version, kind.as_str(), plural),
+            group,
+            plural,
+            versions,
             metadata_only: matches!(kind, Kind::Namespace),
-            optional: !group.is_empty()
-                && (group.ends_with(".istio.io") || group == "gateway.networking.k8s.io"),
+            optional: group.ends_with(".istio.io") || group == "gateway.networking.k8s.io",
             field_selector: (kind == Kind::MeshConfig).then_some("metadata.name=istio"),
         }
     }
@@ -81,13 +76,35 @@ impl WatchSpec {
         Kind::ALL.into_iter().map(WatchSpec::of).collect()
     }
 
+    /// The resource at `version`.
+    pub fn at(&self, version: &str) -> ApiResource {
+        let api_version = if self.group.is_empty() {
+            version.to_string()
+        } else {
+            format!("{}/{version}", self.group)
+        };
+        ApiResource {
+            group: self.group.to_string(),
+            version: version.to_string(),
+            api_version,
+            kind: self.kind.as_str().to_string(),
+            plural: self.plural.to_string(),
+        }
+    }
+
+    /// The resource at the most preferred version (what a cluster that
+    /// serves every version would be watched at).
+    pub fn preferred(&self) -> ApiResource {
+        self.at(self.versions.first().copied().unwrap_or("v1"))
+    }
+
     /// `plural.group` (`pods`, `virtualservices.networking.istio.io`), as
     /// RBAC rules and CRDs name it.
     pub fn qualified_plural(&self) -> String {
-        if self.resource.group.is_empty() {
-            self.resource.plural.clone()
+        if self.group.is_empty() {
+            self.plural.to_string()
         } else {
-            format!("{}.{}", self.resource.plural, self.resource.group)
+            format!("{}.{}", self.plural, self.group)
         }
     }
 }
@@ -101,18 +118,21 @@ mod tests {
         let all = WatchSpec::all();
         assert_eq!(all.len(), Kind::ALL.len());
         let pods = WatchSpec::of(Kind::Pod);
-        assert_eq!(pods.resource.api_version, "v1");
+        assert_eq!(pods.preferred().api_version, "v1");
         assert!(!pods.optional && !pods.metadata_only);
         let vs = WatchSpec::of(Kind::VirtualService);
-        assert_eq!(vs.resource.api_version, "networking.istio.io/v1");
+        assert_eq!(vs.preferred().api_version, "networking.istio.io/v1");
+        assert_eq!(vs.versions, ["v1", "v1beta1", "v1alpha3"]);
         assert_eq!(vs.qualified_plural(), "virtualservices.networking.istio.io");
         assert!(vs.optional);
         let tcp = WatchSpec::of(Kind::TcpRoute);
+        assert_eq!(tcp.versions, ["v1", "v1alpha2"]);
         assert_eq!(
-            tcp.resource.api_version,
+            tcp.at("v1alpha2").api_version,
             "gateway.networking.k8s.io/v1alpha2"
         );
         assert!(WatchSpec::of(Kind::Namespace).metadata_only);
         assert!(!WatchSpec::of(Kind::EndpointSlice).optional);
+        assert_eq!(WatchSpec::of(Kind::EndpointSlice).group, "discovery.k8s.io");
     }
 }

@@ -2,27 +2,36 @@
 //! `ambit-config` into the same typed objects the file source produces and
 //! sent through the same [`SourceUpdate`] seam.
 //!
+//! - Discovery ([`discovery`]) says which version of each kind the API
+//!   server serves; it polls (a bodiless `304` while nothing changed), so a
+//!   CRD installed later is watched within seconds.
 //! - One watch per kind the model knows ([`WatchSpec::all`]), each a kube
 //!   runtime `watcher` over `DynamicObject`s (core kinds and CRDs alike, so
-//!   decoding stays in `ambit-config`); Namespaces are watched metadata-only.
-//!   List pages of 500, bookmarks on, a fresh list after `410 Gone`, a
-//!   resumed watch after a dropped connection, retries with jittered
-//!   exponential backoff, and an optional periodic relist
+//!   decoding stays in `ambit-config`) at the version discovery found;
+//!   Namespaces are watched metadata-only. List pages of 500, bookmarks on,
+//!   a fresh list after `410 Gone`, a resumed watch after a dropped
+//!   connection, retries with jittered exponential backoff (capped at
+//!   [`KubeSourceOptions::retry_max`], a few seconds; a failing watch
+//!   retries at once when discovery sees the API server answer again), one
+//!   WARN per change of a watch's state, and an optional periodic relist
 //!   ([`KubeSourceOptions::relist_every`]) that repairs any drift.
 //! - A rejected object keeps its last good version; its error is the
 //!   config-error scope `kubernetes:<Kind>/<namespace>/<name>`, shown in
 //!   `/debug/config_errors` with kind, namespace and name.
-//! - A CRD kind whose list answers `404` (CRD not installed) counts as
-//!   synced and empty: readiness does not wait for it. It is warned about
-//!   once and retried with backoff, so installing the CRD later starts the
-//!   watch without a restart; deleting the CRD deletes its objects.
+//! - A kind none of whose versions is served (its CRD is not installed)
+//!   counts as synced and empty: readiness does not wait for it, one INFO
+//!   line says so, and it is watched as soon as discovery finds it. A
+//!   watched resource that answers `404` asks discovery at once; when the
+//!   CRD is gone its objects are deleted. Any other error is that watch's
+//!   alone and retried.
 //! - The model is told `initial_sync_done` once every watch has completed
-//!   its first list (or found its CRD absent); until then `/ready` is 503
+//!   its first list (or its kind is absent); until then `/ready` is 503
 //!   and xDS streams wait.
 //!
 //! Nothing but object keys and the pod placement index ([`PodIndex`]) is
 //! kept here; the model's store is the only cache of objects.
 
+pub mod discovery;
 mod kinds;
 mod pods;
 mod watch;
@@ -33,10 +42,11 @@ use std::time::Duration;
 
 use ambit_config::Kind;
 use kube::Client;
-use tokio::sync::watch as tokio_watch;
+use tokio::sync::{Notify, watch as tokio_watch};
 use tokio::task::JoinHandle;
 use tracing::info;
 
+pub use discovery::{Discovered, DiscoveryOptions, ServedKinds};
 pub use kinds::WatchSpec;
 pub use pods::{PodIndex, PodPlacement};
 
@@ -60,9 +70,10 @@ pub struct KubeSourceOptions {
     pub relist_every: Option<Duration>,
     /// First retry delay after a failed list or watch.
     pub retry_initial: Duration,
-    /// Longest retry delay (also how long an installed CRD may wait to be
-    /// noticed).
+    /// Longest retry delay.
     pub retry_max: Duration,
+    /// How often discovery asks what is served.
+    pub discovery: DiscoveryOptions,
 }
 
 impl Default for KubeSourceOptions {
@@ -71,8 +82,9 @@ impl Default for KubeSourceOptions {
             kinds: WatchSpec::all(),
             watch_timeout_secs: None,
             relist_every: Some(Duration::from_secs(3600)),
-            retry_initial: Duration::from_millis(500),
-            retry_max: Duration::from_secs(30),
+            retry_initial: Duration::from_millis(250),
+            retry_max: Duration::from_secs(4),
+            discovery: DiscoveryOptions::default(),
         }
     }
 }
@@ -86,6 +98,8 @@ pub(crate) struct Shared {
     pending: Mutex<std::collections::BTreeSet<Kind>>,
     synced: tokio_watch::Sender<bool>,
     pods: Arc<PodIndex>,
+    /// Asks discovery to run now (a watched resource answered 404).
+    rediscover: Arc<Notify>,
 }
 
 impl Shared {
@@ -124,6 +138,7 @@ pub struct KubeSource {
     tasks: Vec<JoinHandle<()>>,
     shared: Arc<Shared>,
     synced: tokio_watch::Receiver<bool>,
+    discovered: tokio_watch::Receiver<Discovered>,
 }
 
 impl std::fmt::Debug for KubeSource {
@@ -136,9 +151,15 @@ impl std::fmt::Debug for KubeSource {
 }
 
 impl KubeSource {
-    /// Starts one watch per kind; returns at once (see [`Self::synced`]).
+    /// Starts discovery and one watch per kind; returns at once (see
+    /// [`Self::synced`]).
     pub fn spawn(client: Client, model: ModelHandle, opts: KubeSourceOptions) -> KubeSource {
         let (synced_tx, synced) = tokio_watch::channel(opts.kinds.is_empty());
+        let (discovery, discovered) = discovery::DiscoveryLoop::new(
+            client.clone(),
+            opts.kinds.clone(),
+            opts.discovery.clone(),
+        );
         let shared = Arc::new(Shared {
             states: Mutex::new(
                 opts.kinds
@@ -149,20 +170,28 @@ impl KubeSource {
             pending: Mutex::new(opts.kinds.iter().map(|s| s.kind).collect()),
             synced: synced_tx,
             pods: Arc::new(PodIndex::default()),
+            rediscover: discovery.now.clone(),
         });
-        let tasks = opts
+        let mut tasks: Vec<JoinHandle<()>> = opts
             .kinds
             .iter()
             .map(|spec| {
                 let w = watch::KindWatch::new(spec.clone(), model.clone(), shared.clone());
-                tokio::spawn(w.run(client.clone(), opts.clone()))
+                tokio::spawn(w.run(client.clone(), opts.clone(), discovered.clone()))
             })
             .collect();
+        tasks.push(tokio::spawn(discovery.run()));
         KubeSource {
             tasks,
             shared,
             synced,
+            discovered,
         }
+    }
+
+    /// What discovery found: which version of each kind is served.
+    pub fn discovered(&self) -> tokio_watch::Receiver<Discovered> {
+        self.discovered.clone()
     }
 
     /// Becomes true once every watch has listed its kind once.
@@ -191,7 +220,7 @@ impl KubeSource {
             .collect()
     }
 
-    /// Each kind's watch state ("synced", "absent (CRD not installed)", ...).
+    /// Each kind's watch state ("synced at v1", "absent (...)", ...).
     pub fn states(&self) -> BTreeMap<Kind, String> {
         self.shared
             .states

@@ -23,17 +23,17 @@ use kube::runtime::utils::Backoff;
 use kube::runtime::watcher::{self, Event};
 use kube::{Client, discovery::ApiResource};
 use serde_json::{Map, Value};
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
+use super::discovery::Discovered;
 use super::kinds::WatchSpec;
 use super::{KUBE_SOURCE, KubeSourceOptions, Shared};
 use crate::model::{ModelHandle, SourceUpdate};
 
 /// Objects per update while a list is read (one API page).
 const BATCH: usize = 500;
-/// Repeated watch errors of one kind are logged at WARN at most this often.
-const ERROR_LOG_EVERY: Duration = Duration::from_secs(60);
 
 /// `(namespace, name)`; the namespace is empty for cluster-scoped kinds.
 type Key = (String, String);
@@ -120,11 +120,9 @@ impl Iterator for RetryBackoff {
     fn next(&mut self) -> Option<Duration> {
         let base = self.next;
         self.next = (self.next * 2).min(self.max);
-        // ±25 % so watchers of many kinds (and replicas) spread out.
-        let jitter = base.as_secs_f64() * (rand::random::<f64>() * 0.5 - 0.25);
-        Some(Duration::from_secs_f64(
-            (base.as_secs_f64() + jitter).max(0.0),
-        ))
+        // Between half and all of the step, so watchers of many kinds (and
+        // replicas) spread out and the cap is never exceeded.
+        Some(base.mul_f64(0.5 + rand::random::<f64>() * 0.5))
     }
 }
 
@@ -136,7 +134,12 @@ impl Backoff for RetryBackoff {
 
 type WatchStream = BoxStream<'static, Result<Event<Raw>, watcher::Error>>;
 
-fn watch_stream(client: Client, spec: &WatchSpec, opts: &KubeSourceOptions) -> WatchStream {
+fn watch_stream(
+    client: Client,
+    spec: &WatchSpec,
+    ar: &ApiResource,
+    opts: &KubeSourceOptions,
+) -> WatchStream {
     let mut cfg = watcher::Config::default().page_size(BATCH as u32);
     if let Some(t) = opts.watch_timeout_secs {
         cfg = cfg.timeout(t);
@@ -145,21 +148,33 @@ fn watch_stream(client: Client, spec: &WatchSpec, opts: &KubeSourceOptions) -> W
         cfg = cfg.fields(fields);
     }
     let backoff = RetryBackoff::new(opts.retry_initial, opts.retry_max);
-    let ar = spec.resource.clone();
+    let api_resource = ar.clone();
+    let ar = ar.clone();
     if spec.metadata_only {
         // `Api<PartialObjectMeta<_>>` makes metadata-only requests.
-        let api: Api<PartialObjectMeta<DynamicObject>> = Api::all_with(client, &spec.resource);
+        let api: Api<PartialObjectMeta<DynamicObject>> = Api::all_with(client, &api_resource);
         watcher::watcher(api, cfg)
             .map_ok(move |ev| map_event(ev, |o| meta_value(o, &ar)))
             .backoff(backoff)
             .boxed()
     } else {
-        let api: Api<DynamicObject> = Api::all_with(client, &spec.resource);
+        let api: Api<DynamicObject> = Api::all_with(client, &api_resource);
         watcher::watcher(api, cfg)
             .map_ok(move |ev| map_event(ev, |o| object_value(o, &ar)))
             .backoff(backoff)
             .boxed()
     }
+}
+
+/// Why a watch of one resource ended.
+enum WatchEnd {
+    /// The model is gone: stop for good.
+    ModelGone,
+    /// Discovery changed what this kind is served as.
+    Rediscovered,
+    /// Time to list again (periodic relist, or the API server is back
+    /// while this watch was failing).
+    Restart,
 }
 
 /// The state of one kind's watch.
@@ -175,13 +190,14 @@ pub(super) struct KindWatch {
     listing: Option<HashSet<Key>>,
     changes: Vec<Change>,
     errors: Vec<(String, Vec<ConfigError>)>,
-    /// The first list just completed: report it after the flush.
+    /// The first list just completed (or the kind is absent): report it
+    /// after the flush.
     just_synced: bool,
     synced_once: bool,
-    /// The kind's list answered 404 (its CRD is not installed).
-    absent: bool,
-    failing_since: Option<Instant>,
-    last_error_log: Option<Instant>,
+    /// What the kind is watched as (`None`: absent, or not known yet).
+    watched_as: Option<ApiResource>,
+    /// Since when, and with what kind of error, the watch fails.
+    failing: Option<(Instant, String)>,
 }
 
 impl KindWatch {
@@ -197,9 +213,8 @@ impl KindWatch {
             errors: Vec::new(),
             just_synced: false,
             synced_once: false,
-            absent: false,
-            failing_since: None,
-            last_error_log: None,
+            watched_as: None,
+            failing: None,
         }
     }
 
@@ -207,37 +222,108 @@ impl KindWatch {
         self.spec.kind
     }
 
-    /// Watches until the model goes away.
-    pub(super) async fn run(mut self, client: Client, opts: KubeSourceOptions) {
+    /// Watches until the model goes away: at the version discovery says
+    /// the API server serves, or not at all while it serves none.
+    pub(super) async fn run(
+        mut self,
+        client: Client,
+        opts: KubeSourceOptions,
+        mut discovered: watch::Receiver<Discovered>,
+    ) {
         loop {
-            let mut stream = pin!(watch_stream(client.clone(), &self.spec, &opts));
-            let relist_at = opts.relist_every.map(|d| {
-                let jitter = d.as_secs_f64() * rand::random::<f64>() * 0.1;
-                Instant::now() + d + Duration::from_secs_f64(jitter)
-            });
-            loop {
-                let item = tokio::select! {
-                    item = stream.next() => item,
-                    () = sleep_until(relist_at) => {
-                        debug!(kind = %self.kind(), "periodic relist");
-                        break;
-                    }
+            let served = {
+                let kind = self.kind();
+                let Ok(d) = discovered
+                    .wait_for(|d| d.served.as_ref().is_some_and(|s| s.knows(kind)))
+                    .await
+                else {
+                    return;
                 };
-                let Some(item) = item else {
-                    break;
-                };
-                self.handle(item);
-                // Take what is already there, up to a batch, in one update.
-                while self.changes.len() + self.errors.len() < BATCH {
-                    match stream.next().now_or_never() {
-                        Some(Some(item)) => self.handle(item),
-                        _ => break,
-                    }
+                d.served.as_ref().and_then(|s| s.get(kind)).cloned()
+            };
+            let end = match served {
+                Some(ar) => {
+                    self.watched_as = Some(ar.clone());
+                    self.watch(&client, &opts, &ar, &mut discovered).await
                 }
-                if !self.flush().await {
+                None => {
+                    self.absent();
+                    if !self.flush().await {
+                        return;
+                    }
+                    let kind = self.kind();
+                    // Wait until discovery finds it.
+                    let found = discovered
+                        .wait_for(|d| d.served.as_ref().is_some_and(|s| s.get(kind).is_some()))
+                        .await;
+                    if found.is_err() {
+                        return;
+                    }
+                    WatchEnd::Rediscovered
+                }
+            };
+            match end {
+                WatchEnd::ModelGone => {
                     debug!(kind = %self.kind(), "model stopped; watch ends");
                     return;
                 }
+                WatchEnd::Rediscovered | WatchEnd::Restart => {}
+            }
+        }
+    }
+
+    /// One watch of `ar` until discovery moves the kind, a relist is due,
+    /// or the model goes.
+    async fn watch(
+        &mut self,
+        client: &Client,
+        opts: &KubeSourceOptions,
+        ar: &ApiResource,
+        discovered: &mut watch::Receiver<Discovered>,
+    ) -> WatchEnd {
+        let mut stream = pin!(watch_stream(client.clone(), &self.spec, ar, opts));
+        let relist_at = opts.relist_every.map(|d| {
+            let jitter = d.as_secs_f64() * rand::random::<f64>() * 0.1;
+            Instant::now() + d + Duration::from_secs_f64(jitter)
+        });
+        let epoch = discovered.borrow().reachable_epoch;
+        loop {
+            let item = tokio::select! {
+                item = stream.next() => item,
+                () = sleep_until(relist_at) => {
+                    debug!(kind = %self.kind(), "periodic relist");
+                    return WatchEnd::Restart;
+                }
+                changed = discovered.changed() => {
+                    if changed.is_err() {
+                        return WatchEnd::ModelGone;
+                    }
+                    let d = discovered.borrow_and_update().clone();
+                    let now = d.served.as_ref().and_then(|s| s.get(self.kind()));
+                    if now != Some(ar) {
+                        return WatchEnd::Rediscovered;
+                    }
+                    if d.reachable_epoch != epoch && self.failing.is_some() {
+                        // The API server answers again: retry now rather
+                        // than at the end of this watch's backoff.
+                        return WatchEnd::Restart;
+                    }
+                    continue;
+                }
+            };
+            let Some(item) = item else {
+                return WatchEnd::Restart;
+            };
+            self.handle(item);
+            // Take what is already there, up to a batch, in one update.
+            while self.changes.len() + self.errors.len() < BATCH {
+                match stream.next().now_or_never() {
+                    Some(Some(item)) => self.handle(item),
+                    _ => break,
+                }
+            }
+            if !self.flush().await {
+                return WatchEnd::ModelGone;
             }
         }
     }
@@ -247,7 +333,7 @@ impl KindWatch {
             Ok(ev) => ev,
             Err(e) => return self.on_error(e),
         };
-        if let Some(since) = self.failing_since.take() {
+        if let Some((since, _)) = self.failing.take() {
             info!(kind = %self.kind(), after = ?since.elapsed(), "Kubernetes watch recovered");
         }
         match event {
@@ -342,11 +428,32 @@ impl KindWatch {
         for k in gone {
             self.delete(k);
         }
-        if self.absent {
-            info!(kind = %self.kind(), resource = %self.spec.qualified_plural(), "the resource is served now; watching it");
-            self.absent = false;
+        let at = self
+            .watched_as
+            .as_ref()
+            .map_or(String::new(), |r| format!(" at {}", r.api_version));
+        self.shared.set_state(self.kind(), &format!("synced{at}"));
+        if !self.synced_once {
+            self.synced_once = true;
+            self.just_synced = true;
         }
-        self.shared.set_state(self.kind(), "synced");
+    }
+
+    /// Discovery says the API server serves none of this kind's versions:
+    /// its objects are gone (they went with the CRD) and it counts as
+    /// listed, empty.
+    fn absent(&mut self) {
+        self.listing = None;
+        self.watched_as = None;
+        self.failing = None;
+        let all: Vec<Key> = self.known.iter().chain(&self.rejected).cloned().collect();
+        for k in all {
+            self.delete(k);
+        }
+        self.shared.set_state(
+            self.kind(),
+            "absent (the API server serves none of its versions)",
+        );
         if !self.synced_once {
             self.synced_once = true;
             self.just_synced = true;
@@ -356,61 +463,57 @@ impl KindWatch {
     fn on_error(&mut self, e: watcher::Error) {
         let status = match &e {
             watcher::Error::InitialListFailed(kube::Error::Api(s))
-            | watcher::Error::WatchStartFailed(kube::Error::Api(s)) => Some(s.as_ref()),
+            | watcher::Error::WatchStartFailed(kube::Error::Api(s))
+            | watcher::Error::WatchFailed(kube::Error::Api(s)) => Some(s.as_ref()),
             watcher::Error::WatchError(s) => Some(s.as_ref()),
             _ => None,
         };
-        let not_found = status.is_some_and(|s| s.is_not_found());
-        let forbidden = status.is_some_and(|s| s.is_forbidden());
-        let gone = status.is_some_and(|s| s.code == 410);
-        if gone {
+        // A plain-text `404 page not found` (no Status body) is a 404 too.
+        let code = status.map(|s| {
+            if s.code != 0 {
+                s.code
+            } else if s.reason == "NotFound" {
+                404
+            } else if s.reason == "Forbidden" {
+                403
+            } else {
+                0
+            }
+        });
+        if code == Some(410) {
             // kube's watcher lists again by itself.
             info!(kind = %self.kind(), "watch expired (410 Gone); listing again");
             return;
         }
-        if not_found && self.spec.optional {
-            self.listing = None;
-            if !self.absent {
-                self.absent = true;
-                warn!(
-                    kind = %self.kind(),
-                    resource = %self.spec.qualified_plural(),
-                    api_version = %self.spec.resource.api_version,
-                    "the API server does not serve this resource (its CRD is not installed?); treating it as empty and checking again with backoff — install the CRD (deploy/kubernetes/crds, or the Gateway API CRDs) to use it"
-                );
-                // Its objects went with the CRD.
-                let all: Vec<Key> = self.known.iter().chain(&self.rejected).cloned().collect();
-                for k in all {
-                    self.delete(k);
-                }
-                self.shared
-                    .set_state(self.kind(), "absent (CRD not installed)");
-                if !self.synced_once {
-                    self.synced_once = true;
-                    self.just_synced = true;
-                }
+        let class = match code {
+            Some(404) => {
+                // The resource went away under the watch (CRD deleted or
+                // a version no longer served): discovery decides now.
+                self.shared.rediscover.notify_one();
+                "not found".to_string()
             }
-            return;
-        }
-        let now = Instant::now();
-        self.failing_since.get_or_insert(now);
-        let hint = if forbidden {
-            format!(
+            Some(c) if c != 0 => format!("HTTP {c}"),
+            _ => "unreachable".to_string(),
+        };
+        let hint = match code {
+            Some(403) => format!(
                 "the control plane's ServiceAccount needs `list` and `watch` on {} (ClusterRole ambit-control in deploy/kubernetes)",
                 self.spec.qualified_plural()
-            )
-        } else {
-            "retrying with backoff; check that the API server is reachable".to_string()
+            ),
+            Some(404) => {
+                "the resource is gone; asking discovery which version is served".to_string()
+            }
+            _ => "retrying with backoff; check that the API server is reachable".to_string(),
         };
-        let loud = self
-            .last_error_log
-            .is_none_or(|t| now.duration_since(t) >= ERROR_LOG_EVERY);
-        if loud {
-            self.last_error_log = Some(now);
-            warn!(kind = %self.kind(), error = %e, "Kubernetes watch failed: {hint}");
-        } else {
-            debug!(kind = %self.kind(), error = %e, "Kubernetes watch failed");
+        // One WARN per change of state, not one per attempt.
+        match &self.failing {
+            Some((_, last)) if *last == class => {
+                debug!(kind = %self.kind(), error = %e, "Kubernetes watch failed again");
+            }
+            _ => warn!(kind = %self.kind(), error = %e, "Kubernetes watch failed: {hint}"),
         }
+        let since = self.failing.take().map_or_else(Instant::now, |(s, _)| s);
+        self.failing = Some((since, class));
         if !self.synced_once {
             self.shared
                 .set_state(self.kind(), &format!("not listed yet: {e}"));
@@ -452,10 +555,14 @@ mod tests {
     fn backoff_grows_to_its_cap_and_resets() {
         let mut b = RetryBackoff::new(Duration::from_millis(100), Duration::from_millis(400));
         let d: Vec<Duration> = (0..5).filter_map(|_| b.next()).collect();
-        assert!(d[0] <= Duration::from_millis(125) && d[0] >= Duration::from_millis(75));
-        assert!(d[4] <= Duration::from_millis(500) && d[4] >= Duration::from_millis(300));
+        assert!(d[0] <= Duration::from_millis(100) && d[0] >= Duration::from_millis(50));
+        assert!(d[4] <= Duration::from_millis(400) && d[4] >= Duration::from_millis(200));
+        assert!(
+            d.iter().all(|x| *x <= Duration::from_millis(400)),
+            "the cap holds"
+        );
         b.reset();
-        assert!(b.next().is_some_and(|d| d <= Duration::from_millis(125)));
+        assert!(b.next().is_some_and(|d| d <= Duration::from_millis(100)));
     }
 
     #[test]
@@ -467,7 +574,7 @@ mod tests {
         }))
         .map_err(|e| e.to_string())
         .unwrap_or_else(|e| panic!("{e}"));
-        let raw = object_value(obj, &spec.resource);
+        let raw = object_value(obj, &spec.preferred());
         assert_eq!(raw.key, ("shop".to_string(), "web".to_string()));
         let decoded = decode_json_value(&raw.value);
         assert!(

@@ -30,7 +30,22 @@ const METADATA_KEYS: &[&str] = &[
     "generateName",
     "selfLink",
     "deletionGracePeriodSeconds",
+    "deletionTimestamp",
+    "uid",
+    "ownerReferences",
 ];
+
+/// Top-level keys a core kind's Kubernetes schema has (beyond apiVersion,
+/// kind, metadata and status) that the typed struct may not read: the API
+/// server always sends them (a Namespace's and a Node's `spec`).
+fn core_top_level(kind: Kind) -> &'static [&'static str] {
+    match kind {
+        Kind::Namespace | Kind::Node | Kind::Pod | Kind::Service | Kind::Telemetry => &["spec"],
+        Kind::EndpointSlice => &["addressType", "endpoints", "ports"],
+        Kind::MeshConfig => &["data", "binaryData", "immutable"],
+        _ => &[],
+    }
+}
 
 /// Istio/Gateway API fields that exist in their schemas but that Ambit
 /// does not model (by their last path segment): not mistakes.
@@ -151,7 +166,7 @@ fn reportable(kind: Kind, segs: &[Seg]) -> bool {
         _ => {}
     }
     if is_core(kind) {
-        return segs.len() == 1;
+        return segs.len() == 1 && key(0).is_none_or(|k| !core_top_level(kind).contains(&k));
     }
     !matches!(segs.last(), Some(Seg::Key(k)) if VALID_UNMODELLED.contains(&k.as_str()))
 }
@@ -296,5 +311,31 @@ mod tests {
         assert!(m.contains("did you mean \"ambient\""), "{m}");
         let m = check_label("dataplane-mode", "ambient").unwrap_or_default();
         assert!(m.contains("istio.io/dataplane-mode"), "{m}");
+    }
+
+    #[test]
+    fn objects_as_the_api_server_sends_them_have_no_unknown_fields() {
+        let key = |k: &str| Seg::Key(k.to_string());
+        // A Namespace and a Node from a real cluster carry `spec`, and
+        // metadata the typed struct does not read.
+        for kind in [Kind::Namespace, Kind::Node] {
+            let ns = serde_json::json!({
+                "apiVersion": "v1", "kind": kind.as_str(),
+                "metadata": {"name": "x", "uid": "u", "resourceVersion": "1",
+                             "creationTimestamp": "2026-01-01T00:00:00Z",
+                             "managedFields": [], "ownerReferences": []},
+                "spec": {"finalizers": ["kubernetes"], "podCIDR": "10.244.0.0/24"},
+                "status": {"phase": "Active"},
+            });
+            let found: Vec<String> = ignored_paths(kind, &ns)
+                .into_iter()
+                .filter(|p| reportable(kind, p))
+                .map(|p| render(&p))
+                .collect();
+            assert!(found.is_empty(), "{kind}: {found:?}");
+        }
+        assert!(reportable(Kind::Namespace, &[key("sepc")]));
+        assert!(!reportable(Kind::Namespace, &[key("spec")]));
+        assert!(reportable(Kind::Pod, &[key("data")]));
     }
 }
