@@ -27,6 +27,8 @@ use serde_json::Value;
 
 use crate::workspace_root;
 
+static AUDIT_SEQ: AtomicU16 = AtomicU16::new(0);
+
 /// How long `up.sh` may take (first run unpacks the binaries).
 const START_LIMIT: Duration = Duration::from_secs(180);
 
@@ -99,6 +101,9 @@ pub struct KubeApiServer {
     /// `https://127.0.0.1:<port>`.
     pub server: String,
     keep: bool,
+    audit_dir: Option<PathBuf>,
+    /// The extra kube-apiserver flags it runs with.
+    args: String,
 }
 
 impl std::fmt::Debug for KubeApiServer {
@@ -115,6 +120,45 @@ impl KubeApiServer {
         Self::start_with(crds, "").await
     }
 
+    /// Starts one with `crds` that writes an audit log of every request
+    /// (metadata level: who, what, the answer's code); see
+    /// [`Self::audit_events`].
+    pub async fn start_audited(crds: Crds) -> Result<Self> {
+        let dir = std::env::temp_dir().join(format!(
+            "ambit-test-audit-{}-{}",
+            std::process::id(),
+            AUDIT_SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir)?;
+        let policy = dir.join("policy.yaml");
+        std::fs::write(
+            &policy,
+            "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n- level: Metadata\n",
+        )?;
+        let args = format!(
+            "--audit-policy-file={} --audit-log-path={} --audit-log-format=json --audit-log-mode=blocking",
+            policy.display(),
+            dir.join("audit.log").display()
+        );
+        let mut me = Self::start_with(crds, &args).await?;
+        me.audit_dir = Some(dir);
+        me.args = args;
+        Ok(me)
+    }
+
+    /// Every audit event so far (only with [`Self::start_audited`]).
+    pub fn audit_events(&self) -> Result<Vec<Value>> {
+        let dir = self
+            .audit_dir
+            .as_ref()
+            .context("this API server was not started with an audit log")?;
+        let text = std::fs::read_to_string(dir.join("audit.log")).context("the audit log")?;
+        Ok(text
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect())
+    }
+
     /// Starts one with `crds` and extra kube-apiserver flags (e.g. an
     /// audit policy).
     pub async fn start_with(crds: Crds, apiserver_args: &str) -> Result<Self> {
@@ -129,6 +173,8 @@ impl KubeApiServer {
             port,
             state,
             keep: std::env::var_os("AMBIT_KEEP_KUBE").is_some(),
+            audit_dir: None,
+            args: apiserver_args.to_string(),
         };
         // From here on, Drop stops whatever up.sh started.
         me.up(crds, apiserver_args).await?;
@@ -152,9 +198,9 @@ impl KubeApiServer {
     }
 
     /// Starts the API server again after [`Self::stop_apiserver`] (same
-    /// etcd, same state).
-    pub async fn restart_apiserver(&self, apiserver_args: &str) -> Result<()> {
-        self.up(Crds::None, apiserver_args).await
+    /// etcd, same state, same flags); returns once it is ready.
+    pub async fn restart_apiserver(&self) -> Result<()> {
+        self.up(Crds::None, &self.args).await
     }
 
     /// Kills the API server process (etcd keeps running), as a crash or an
@@ -246,6 +292,74 @@ impl KubeApiServer {
     /// Server-side applies `doc` as the admin (field manager `test`).
     pub async fn apply(&self, doc: &Value) -> Result<DynamicObject> {
         apply_as(&self.client().await?, doc).await
+    }
+}
+
+impl KubeApiServer {
+    /// Installs Ambit's manifests as the admin, as `ambitctl install`
+    /// does (the workloads stay at 0 replicas: nothing runs pods here).
+    pub async fn install_ambit(&self) -> Result<()> {
+        let docs = ambitctl::install::render(&ambitctl::install::Values::default())?;
+        ambitctl::install::apply(&self.client().await?, &docs).await?;
+        Ok(())
+    }
+
+    /// Creates pod `ns/name` on `node` (ServiceAccount `sa`) and writes its
+    /// status through the status subresource as the kubelet would:
+    /// Running, Ready, at `ip`. Returns its uid.
+    pub async fn running_pod(
+        &self,
+        ns: &str,
+        name: &str,
+        sa: &str,
+        node: &str,
+        ip: &str,
+        labels: Value,
+    ) -> Result<String> {
+        let doc = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns, "labels": labels},
+            "spec": {
+                "nodeName": node,
+                "serviceAccountName": sa,
+                "automountServiceAccountToken": false,
+                "containers": [{"name": "app", "image": "example.test/app:1",
+                                "ports": [{"containerPort": 8080}]}],
+            },
+        });
+        let created = self.apply(&doc).await?;
+        let status = serde_json::json!({"status": {
+            "phase": "Running",
+            "podIP": ip,
+            "podIPs": [{"ip": ip}],
+            "hostIP": "192.0.2.1",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        }});
+        let (api, _) = api_of(&self.client().await?, &doc)?;
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status)),
+        )
+        .await
+        .map_err(|_| anyhow!("writing the status of pod {ns}/{name}: no answer"))?
+        .with_context(|| format!("writing the status of pod {ns}/{name}"))?;
+        created
+            .metadata
+            .uid
+            .ok_or_else(|| anyhow!("pod {ns}/{name} has no uid"))
+    }
+
+    /// Applies every CRD of a JSON file of the kit (`crds/istio.json`, ...)
+    /// with the kit's own script, which waits until they are established.
+    pub async fn apply_kit_crds(&self, file: &str) -> Result<()> {
+        let mut cmd = Command::new("python3");
+        cmd.arg(self.kit.join("apply-crds.py"))
+            .arg(&self.server)
+            .arg(self.state.join("pki/ca.crt"))
+            .arg(self.state.join("admin.token"))
+            .arg(self.kit.join("crds").join(file))
+            .stdin(Stdio::null());
+        run_bounded(cmd, Duration::from_secs(60), "apply-crds.py").await
     }
 }
 
@@ -378,6 +492,9 @@ impl Drop for KubeApiServer {
             .and_then(|c| wait_with_deadline(c, Duration::from_secs(30)));
         if let Err(e) = done {
             eprintln!("stopping the API server at {}: {e:#}", self.server);
+        }
+        if let Some(dir) = &self.audit_dir {
+            let _ = std::fs::remove_dir_all(dir);
         }
     }
 }

@@ -66,7 +66,7 @@ pub enum AuthError {
     #[error("the authorization header is not `Bearer <token>`")]
     Malformed,
     #[error(
-        "the bearer token is not known to this control plane ({0}); check the node's --token-file matches the control plane's node tokens file"
+        "the bearer token was refused ({0}); in local mode check that the node's --token-file matches the control plane's node tokens file, in Kubernetes that it is a current ServiceAccount token projected with audience istio-ca"
     )]
     Rejected(String),
     #[error("token authentication is unavailable: {0}")]
