@@ -364,8 +364,7 @@ impl KubeApiServer {
 }
 
 /// Server-side apply of one document through `client`, its resource named
-/// by the document's apiVersion and kind (plural: lower-case kind + `s`,
-/// or the few irregular ones tests use).
+/// by the document's apiVersion and kind.
 pub async fn apply_as(client: &Client, doc: &Value) -> Result<DynamicObject> {
     let (api, name) = api_of(client, doc)?;
     tokio::time::timeout(
@@ -395,12 +394,12 @@ pub fn api_of(client: &Client, doc: &Value) -> Result<(Api<DynamicObject>, Strin
     let api_version = doc["apiVersion"].as_str().context("no apiVersion")?;
     let kind = doc["kind"].as_str().context("no kind")?;
     let name = doc["metadata"]["name"].as_str().context("no name")?;
-    let plural = match kind {
-        "Policy" => "policies".to_string(),
-        "AuthorizationPolicy" => "authorizationpolicies".into(),
-        "Telemetry" => "telemetries".into(),
-        "EndpointSlice" => "endpointslices".into(),
-        k => format!("{}s", k.to_ascii_lowercase()),
+    // English plural of the lower-case kind, as CRDs and core kinds name
+    // their resources (`serviceentries`, `gateways`).
+    let lower = kind.to_ascii_lowercase();
+    let plural = match lower.strip_suffix('y') {
+        Some(stem) if !stem.ends_with(['a', 'e', 'i', 'o', 'u']) => format!("{stem}ies"),
+        _ => format!("{lower}s"),
     };
     let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
     let ar = ApiResource {
