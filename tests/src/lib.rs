@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 pub mod agentbed;
+pub mod cluster;
 pub mod enrollbed;
 pub mod envoy;
 pub mod fakeapi;

@@ -16,7 +16,7 @@ use tracing::{Instrument, info, info_span, warn};
 
 use crate::admin::{self, AdminContext, AdminError, Listener, LogControl};
 use crate::config::Config;
-use crate::drain::{self, DRAIN_DEADLINE, DrainTrigger, DrainWatcher};
+use crate::drain::{self, DrainTrigger, DrainWatcher};
 use crate::hbone::HbonePool;
 use crate::identity::IdentityError;
 use crate::identity::{CertificateManager, Identity};
@@ -70,6 +70,7 @@ pub struct Ztunnel {
     tls: Option<Arc<TlsCache>>,
     unserved: watch::Receiver<UnservedSet>,
     drain: DrainTrigger,
+    drain_deadline: Duration,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -107,7 +108,8 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
     )
     .await?;
 
-    let (drain, watcher) = drain::channel();
+    let drain_deadline = config.drain_deadline();
+    let (drain, watcher) = drain::channel_with(drain_deadline);
     let (quit_tx, quit_rx) = watch::channel(false);
     let certificates_handle = certificates.clone();
     let pool = HbonePool::new(crate::hbone::PoolConfig {
@@ -229,6 +231,7 @@ pub async fn start_with(config: Config, options: StartOptions) -> Result<Ztunnel
         tls,
         unserved,
         drain,
+        drain_deadline,
         tasks,
     })
 }
@@ -326,12 +329,12 @@ impl Ztunnel {
         }
     }
 
-    /// Stops the xDS client and every listener; live admin connections get
-    /// [`DRAIN_DEADLINE`] to finish. Tasks still running after that are
-    /// aborted.
+    /// Stops the xDS client and every listener; live connections get the
+    /// drain deadline (`--drain-timeout-secs`) to finish. Tasks still
+    /// running after that are aborted.
     pub async fn shutdown(self) {
         self.drain.start();
-        let deadline = tokio::time::Instant::now() + DRAIN_DEADLINE + Duration::from_secs(1);
+        let deadline = tokio::time::Instant::now() + self.drain_deadline + Duration::from_secs(1);
         for mut task in self.tasks {
             if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
                 warn!(node = %self.node_name, "task did not stop in time; aborting it");

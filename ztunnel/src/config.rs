@@ -110,6 +110,13 @@ pub struct Config {
     /// closed and dropped from the pool.
     #[arg(long, env = "HBONE_KEEPALIVE_TIMEOUT_MS", default_value_t = 20_000)]
     pub hbone_keepalive_timeout_ms: u64,
+    /// Seconds established connections may keep running once ztunnel
+    /// shuts down (SIGTERM) or a pod leaves the mesh; its listeners close
+    /// at once. In Kubernetes keep it below the pod's
+    /// terminationGracePeriodSeconds, so a rolling update (the new ztunnel
+    /// already serving the pods) loses no connection that ends within it.
+    #[arg(long, env = "DRAIN_TIMEOUT_SECS", default_value_t = 5)]
+    pub drain_timeout_secs: u64,
 }
 
 impl Config {
@@ -134,7 +141,13 @@ impl Config {
             hbone_connect_timeout_ms: 10_000,
             hbone_keepalive_interval_ms: 10_000,
             hbone_keepalive_timeout_ms: 20_000,
+            drain_timeout_secs: 5,
         }
+    }
+
+    /// How long live connections get once draining starts.
+    pub fn drain_deadline(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.drain_timeout_secs)
     }
 
     /// The HBONE client bounds these flags set.

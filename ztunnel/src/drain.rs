@@ -2,7 +2,10 @@
 //!
 //! [`DrainTrigger::start`] (or dropping the trigger) tells every
 //! [`DrainWatcher`] to stop: listeners stop accepting, live connections get
-//! [`DRAIN_DEADLINE`] to finish, then they are closed.
+//! the watcher's [`DrainWatcher::deadline`] to finish (ztunnel's is
+//! `--drain-timeout-secs`, long enough for a rolling update to keep
+//! established connections; [`DRAIN_DEADLINE`] elsewhere), then they are
+//! closed.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -10,7 +13,8 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-/// How long a live connection may keep running once draining has started.
+/// How long a live connection may keep running once draining has
+/// started, unless the channel was made with another deadline.
 pub const DRAIN_DEADLINE: Duration = Duration::from_secs(5);
 
 /// Starts draining. Dropping it drains too, so a dropped ztunnel stops.
@@ -23,12 +27,19 @@ pub struct DrainTrigger {
 #[derive(Debug, Clone)]
 pub struct DrainWatcher {
     rx: watch::Receiver<bool>,
+    deadline: Duration,
 }
 
-/// A new trigger and its first watcher.
+/// A new trigger and its first watcher, with [`DRAIN_DEADLINE`].
 pub fn channel() -> (DrainTrigger, DrainWatcher) {
+    channel_with(DRAIN_DEADLINE)
+}
+
+/// A new trigger and its first watcher: live connections get `deadline`
+/// once draining starts.
+pub fn channel_with(deadline: Duration) -> (DrainTrigger, DrainWatcher) {
     let (tx, rx) = watch::channel(false);
-    (DrainTrigger { tx }, DrainWatcher { rx })
+    (DrainTrigger { tx }, DrainWatcher { rx, deadline })
 }
 
 impl DrainTrigger {
@@ -52,6 +63,11 @@ impl DrainWatcher {
         self.signaled().await
     }
 
+    /// How long live connections get once draining has started.
+    pub fn deadline(&self) -> Duration {
+        self.deadline
+    }
+
     /// True once draining has started.
     pub fn is_draining(&self) -> bool {
         *self.rx.borrow() || self.rx.has_changed().is_err()
@@ -59,8 +75,8 @@ impl DrainWatcher {
 }
 
 /// Runs `conn` to completion unless draining starts; then calls `graceful`
-/// on it (e.g. hyper's `graceful_shutdown`) and gives it [`DRAIN_DEADLINE`]
-/// before dropping it.
+/// on it (e.g. hyper's `graceful_shutdown`) and gives it the watcher's
+/// deadline before dropping it.
 pub async fn run_until_drained<F, G>(mut conn: Pin<&mut F>, drain: &DrainWatcher, graceful: G)
 where
     F: Future,
@@ -71,7 +87,7 @@ where
         _ = drain.signaled() => {}
     }
     graceful(conn.as_mut());
-    let _ = tokio::time::timeout(DRAIN_DEADLINE, conn).await;
+    let _ = tokio::time::timeout(drain.deadline(), conn).await;
 }
 
 #[cfg(test)]

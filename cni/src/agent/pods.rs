@@ -24,7 +24,7 @@ use tokio::sync::{mpsc, watch};
 
 use super::Event;
 use super::view::MeshView;
-use super::zds::{ZdsServerError, ZtunnelConnection};
+use super::zds::{ZdsServerError, ZtunnelConnection, Ztunnels};
 use crate::protocol::{Command, PodRef, Reply, Request};
 use crate::redirect::{self, RedirectPorts};
 
@@ -53,6 +53,9 @@ fn served_default() -> bool {
 
 /// First delay before handing a refused pod to ztunnel again.
 pub const HANDOFF_RETRY_INITIAL: Duration = Duration::from_millis(200);
+/// How often the node agent forgets ztunnels that have gone (an old one
+/// after a rolling update).
+const ZTUNNEL_PRUNE_EVERY: Duration = Duration::from_secs(5);
 /// Longest delay between handover retries.
 pub const HANDOFF_RETRY_MAX: Duration = Duration::from_secs(5);
 
@@ -208,7 +211,7 @@ struct AgentTask {
     table: PodTable,
     ports: RedirectPorts,
     view: Arc<MeshView>,
-    ztunnel: Option<ZtunnelConnection>,
+    ztunnels: Ztunnels,
     zds_socket: PathBuf,
     /// Next handover retry of unserved pods, and the delay after it.
     retry: Option<(tokio::time::Instant, Duration)>,
@@ -227,11 +230,13 @@ pub(super) async fn run(
         table,
         ports,
         view,
-        ztunnel: None,
+        ztunnels: Ztunnels::default(),
         zds_socket,
         retry: None,
     };
     task.reconcile().await;
+    let mut prune = tokio::time::interval(ZTUNNEL_PRUNE_EVERY);
+    prune.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let retry_at = task.retry.map(|(at, _)| at);
         tokio::select! {
@@ -256,17 +261,20 @@ pub(super) async fn run(
                 task.reconcile().await;
             }
             Some(z) = ztunnels.recv() => {
-                task.ztunnel = Some(z);
-                task.send_snapshot().await;
+                task.ztunnels.prune();
+                task.ztunnels.connected(z.clone());
+                task.send_snapshot(z).await;
             }
+            _ = prune.tick() => task.ztunnels.prune(),
         }
     }
 }
 
 impl AgentTask {
-    fn ztunnel(&self) -> Result<&ZtunnelConnection, ZdsServerError> {
-        self.ztunnel
-            .as_ref()
+    /// The newest ztunnel: the one new pods go to.
+    fn ztunnel(&self) -> Result<ZtunnelConnection, ZdsServerError> {
+        self.ztunnels
+            .latest()
             .ok_or_else(|| ZdsServerError::NotConnected(self.zds_socket.clone()))
     }
 
@@ -291,13 +299,16 @@ impl AgentTask {
             return Err(e);
         }
         let handed = match self.ztunnel() {
-            Ok(z) => z.add(&rec.uid(), self.info(rec), &rec.netns).await,
+            Ok(z) => {
+                let r = z.add(&rec.uid(), self.info(rec), &rec.netns).await;
+                if matches!(r, Err(ZdsServerError::Io(_))) {
+                    self.ztunnels.lost(&z);
+                }
+                r
+            }
             Err(e) => Err(e),
         };
         if let Err(e) = handed {
-            if matches!(e, ZdsServerError::Io(_)) {
-                self.ztunnel = None;
-            }
             if let Err(undo) = remove_redirect(&rec.netns).await {
                 tracing::warn!(uid = %rec.uid(), error = %undo, "cannot undo the redirection of a pod ztunnel did not take");
             }
@@ -307,14 +318,15 @@ impl AgentTask {
         Ok(())
     }
 
-    /// Tells ztunnel the pod left (best effort) and removes its redirection.
+    /// Tells every connected ztunnel the pod left (best effort) and
+    /// removes its redirection.
     async fn release(&mut self, rec: &PodRecord) {
-        if let Some(z) = &self.ztunnel
-            && let Err(e) = z.del(&rec.uid()).await
-        {
-            tracing::warn!(uid = %rec.uid(), error = %e, "ztunnel did not ack the pod's removal");
-            if matches!(e, ZdsServerError::Io(_)) {
-                self.ztunnel = None;
+        for z in self.ztunnels.all() {
+            if let Err(e) = z.del(&rec.uid()).await {
+                tracing::warn!(uid = %rec.uid(), error = %e, "ztunnel did not ack the pod's removal");
+                if matches!(e, ZdsServerError::Io(_)) {
+                    self.ztunnels.lost(&z);
+                }
             }
         }
         if let Err(e) = remove_redirect(&rec.netns).await {
@@ -472,7 +484,8 @@ impl AgentTask {
 
     /// Sends every enrolled pod, then `SnapshotSent`, to a (re)connected
     /// ztunnel; then enrolls pods that should be but could not be before.
-    async fn send_snapshot(&mut self) {
+    /// Hands every enrolled pod to a ztunnel that just connected.
+    async fn send_snapshot(&mut self, z: ZtunnelConnection) {
         let enrolled: Vec<PodRecord> = self
             .table
             .pods
@@ -480,16 +493,13 @@ impl AgentTask {
             .filter(|r| r.enrolled)
             .cloned()
             .collect();
-        let Some(z) = self.ztunnel.clone() else {
-            return;
-        };
         for rec in &enrolled {
             let served = match z.add(&rec.uid(), self.info(rec), &rec.netns).await {
                 Ok(()) => true,
                 Err(e) => {
                     tracing::warn!(uid = %rec.uid(), error = %e, "snapshot: ztunnel refused a pod; keeping its redirection and retrying the handover");
                     if matches!(e, ZdsServerError::Io(_)) {
-                        self.ztunnel = None;
+                        self.ztunnels.lost(&z);
                         return;
                     }
                     false
@@ -501,7 +511,7 @@ impl AgentTask {
         self.schedule_retry(HANDOFF_RETRY_INITIAL);
         if let Err(e) = z.snapshot_sent().await {
             tracing::warn!(error = %e, "snapshot: SnapshotSent failed");
-            self.ztunnel = None;
+            self.ztunnels.lost(&z);
             return;
         }
         tracing::info!(pods = enrolled.len(), "snapshot sent to ztunnel");
@@ -523,7 +533,7 @@ impl AgentTask {
     /// Hands every enrolled-but-unserved pod to ztunnel again.
     async fn retry_unserved(&mut self) {
         let delay = self.retry.map_or(HANDOFF_RETRY_INITIAL, |(_, d)| d);
-        let Some(z) = self.ztunnel.clone() else {
+        let Some(z) = self.ztunnels.latest() else {
             // A reconnecting ztunnel gets the whole snapshot anyway.
             self.retry = None;
             return;
@@ -543,7 +553,7 @@ impl AgentTask {
                 }
                 Err(ZdsServerError::Io(e)) => {
                     tracing::warn!(error = %e, "ZDS connection lost while retrying a handover");
-                    self.ztunnel = None;
+                    self.ztunnels.lost(&z);
                     self.retry = None;
                     return;
                 }

@@ -117,6 +117,74 @@ impl ZtunnelConnection {
     pub async fn snapshot_sent(&self) -> Result<(), ZdsServerError> {
         self.request(ZdsMessage::SnapshotSent, None).await
     }
+
+    /// Whether ztunnel has gone (its end of the connection is closed). A
+    /// connection busy with a request is not gone.
+    pub fn is_closed(&self) -> bool {
+        match self.conn.try_lock() {
+            Ok(conn) => conn.is_closed(),
+            Err(_) => false,
+        }
+    }
+
+    /// The same connection (not just an equal one).
+    pub fn same(&self, other: &ZtunnelConnection) -> bool {
+        Arc::ptr_eq(&self.conn, &other.conn)
+    }
+}
+
+/// The ztunnels connected to this node agent, oldest first. Usually one;
+/// during a ztunnel rolling update the new one connects while the old one
+/// still serves, drains, and exits: new pods go to the newest, a pod that
+/// leaves is removed from every one, and a ztunnel that is gone is
+/// dropped. Replacing the old connection instead would make the old
+/// ztunnel reconnect and the two take the pods from each other in turn.
+#[derive(Debug, Default)]
+pub struct Ztunnels {
+    conns: Vec<ZtunnelConnection>,
+}
+
+impl Ztunnels {
+    /// The newest connected ztunnel.
+    pub fn latest(&self) -> Option<ZtunnelConnection> {
+        self.conns.last().cloned()
+    }
+
+    /// Every connected ztunnel, oldest first.
+    pub fn all(&self) -> Vec<ZtunnelConnection> {
+        self.conns.clone()
+    }
+
+    /// A ztunnel connected: it is the newest now.
+    pub fn connected(&mut self, z: ZtunnelConnection) {
+        self.conns.push(z);
+        tracing::info!(connected = self.conns.len(), "ztunnel connections");
+    }
+
+    /// Forgets `z` (its connection failed).
+    pub fn lost(&mut self, z: &ZtunnelConnection) {
+        let before = self.conns.len();
+        self.conns.retain(|c| !c.same(z));
+        if self.conns.len() != before {
+            tracing::info!(
+                connected = self.conns.len(),
+                "a ztunnel connection was lost"
+            );
+        }
+    }
+
+    /// Forgets every ztunnel that has gone.
+    pub fn prune(&mut self) {
+        let before = self.conns.len();
+        self.conns.retain(|c| !c.is_closed());
+        if self.conns.len() != before {
+            tracing::info!(
+                gone = before - self.conns.len(),
+                connected = self.conns.len(),
+                "ztunnels gone"
+            );
+        }
+    }
 }
 
 /// Binds `path` (replacing a stale socket, refusing one another process

@@ -7,12 +7,16 @@
 //!   `--forward URL` and nesting their answers under `calls`;
 //! - echo raw TCP on `--tcp PORT` (until EOF, then close the write side);
 //! - call `--call URL` / `--tcp-call HOST:PORT` every `--every` and log one line per
-//!   call, or with `--once` call each once, print JSON and exit 0/1.
+//!   call, or with `--once` call each once, print JSON and exit 0/1;
+//! - hold one TCP connection to an echo server (`--hold HOST:PORT --for DURATION`),
+//!   a line each `--every`, print JSON and exit 0/1.
 //!
 //! Logs go to stdout (stderr with `--once`, whose JSON owns stdout), one line per
 //! request, connection and call.
 #![forbid(unsafe_code)]
 
+#[path = "ambit_demo/hold.rs"]
+mod hold;
 #[path = "ambit_demo/net.rs"]
 mod net;
 
@@ -51,6 +55,8 @@ Examples:
   ambit-demo --call http://10.96.0.10/ask --tcp-call 10.96.0.40:7000 --every 2s
   # one-shot check (exit 0 if every call got a 2xx / a correct echo, else 1)
   ambit-demo --call http://10.96.0.10/ask --once
+  # one connection kept 20s, a line echoed every 100ms (exit 0 if none was lost)
+  ambit-demo --hold 10.96.0.40:7000 --for 20s --every 100ms
 
 Exit status: 0 on success or SIGTERM/ctrl-c; 1 when a --once call failed; 2 on bad
 arguments or a port that cannot be bound.";
@@ -114,6 +120,15 @@ struct Args {
     /// exit 0 if all succeeded, else 1.
     #[arg(long)]
     once: bool,
+
+    /// Hold one TCP connection to this echo server for --for, sending a
+    /// line every --every; print JSON and exit (0: every line came back).
+    #[arg(long, value_name = "HOST:PORT", value_parser = TcpTarget::parse)]
+    hold: Option<TcpTarget>,
+
+    /// How long --hold keeps its connection.
+    #[arg(long = "for", value_name = "DURATION", default_value = "10s", value_parser = net::parse_duration)]
+    hold_for: Duration,
 }
 
 /// What request handlers and clients share.
@@ -161,6 +176,15 @@ fn init_logging(once: bool) {
 }
 
 async fn run(args: Args) -> Result<ExitCode> {
+    if let Some(target) = &args.hold {
+        let out = hold::hold(target, args.hold_for, args.every, args.timeout).await;
+        println!("{}", out.to_json(target));
+        return Ok(if out.ok() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        });
+    }
     if !args.forward.is_empty() && args.http.is_empty() {
         bail!("--forward is made per HTTP request served: it needs --http PORT");
     }

@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use super::{AdminContext, Listener, route};
-use crate::drain::{DRAIN_DEADLINE, DrainWatcher};
+use crate::drain::DrainWatcher;
 
 /// Refused connections are logged at most this often (with a count).
 pub(crate) const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
@@ -168,7 +168,7 @@ pub(crate) async fn serve_with(
                 }
             }
             conn.as_mut().graceful_shutdown();
-            let _ = tokio::time::timeout(DRAIN_DEADLINE, conn).await;
+            let _ = tokio::time::timeout(drain.deadline(), conn).await;
         });
     }
     debug!(listener = listener.name(), "listener stopped");

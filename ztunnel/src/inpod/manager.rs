@@ -25,7 +25,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
-use crate::drain::{self, DRAIN_DEADLINE, DrainTrigger, DrainWatcher};
+use crate::drain::{self, DrainTrigger, DrainWatcher};
 use crate::proxy::{self, PodConnections, ProxyContext};
 
 /// Why a pod could not be set up; the text goes back in the ZDS ack.
@@ -110,6 +110,14 @@ pub type PodSet = BTreeMap<String, PodSummary>;
 /// `namespace/name (uid …)` → why. Empty when every handed pod is served.
 pub type UnservedSet = BTreeMap<String, String>;
 
+/// The entry [`UnservedSet`] holds until the node agent's first snapshot.
+fn awaiting_snapshot() -> (String, String) {
+    (
+        "(every enrolled pod)".to_string(),
+        "waiting for the node agent's first snapshot over ZDS; is ambit-node-agent running on this node?".to_string(),
+    )
+}
+
 /// How long a bind that finds the port in use is retried before the pod is
 /// refused. Below the agent's ack timeout (5 s), so the agent hears why.
 pub const BIND_RETRY_BUDGET: Duration = Duration::from_secs(2);
@@ -156,6 +164,10 @@ pub struct InpodManager {
     /// uid → (shown name, why) of pods refused; see [`UnservedSet`].
     unserved: BTreeMap<String, (String, String)>,
     published_unserved: watch::Sender<UnservedSet>,
+    /// What a pod's live connections get once it drains (ztunnel's own).
+    drain_deadline: std::time::Duration,
+    /// The node agent's first snapshot has been received.
+    snapshot_seen: bool,
 }
 
 impl InpodManager {
@@ -167,7 +179,8 @@ impl InpodManager {
     ) -> InpodHandle {
         let (commands, rx) = mpsc::channel(64);
         let (published, pods) = watch::channel(PodSet::new());
-        let (published_unserved, unserved) = watch::channel(UnservedSet::new());
+        let (published_unserved, unserved) =
+            watch::channel(UnservedSet::from([awaiting_snapshot()]));
         let manager = Self {
             cfg,
             proxy,
@@ -176,6 +189,8 @@ impl InpodManager {
             published,
             unserved: BTreeMap::new(),
             published_unserved,
+            drain_deadline: drain.deadline(),
+            snapshot_seen: false,
         };
         let task = tokio::spawn(manager.run(rx, drain));
         InpodHandle {
@@ -208,7 +223,7 @@ impl InpodManager {
         self.publish();
         // Live connections get the drain deadline to finish.
         let all = futures::future::join_all(draining.into_iter().map(PodConnections::closed));
-        let _ = tokio::time::timeout(DRAIN_DEADLINE, all).await;
+        let _ = tokio::time::timeout(self.drain_deadline, all).await;
     }
 
     fn publish(&self) {
@@ -225,7 +240,14 @@ impl InpodManager {
                 true
             }
         });
-        let unserved: UnservedSet = self.unserved.values().cloned().collect();
+        let mut unserved: UnservedSet = self.unserved.values().cloned().collect();
+        if !self.snapshot_seen {
+            // Not ready before the node agent said which pods are ours: a
+            // new ztunnel of a rolling update must hold every pod before
+            // the old one is stopped.
+            let (pod, why) = awaiting_snapshot();
+            unserved.insert(pod, why);
+        }
         self.published_unserved.send_if_modified(|current| {
             if *current == unserved {
                 false
@@ -279,6 +301,7 @@ impl InpodManager {
                 Ok(())
             }
             InpodEvent::SnapshotSent => {
+                self.snapshot_seen = true;
                 let Some(seen) = self.seen.take() else {
                     debug!("ZDS: SnapshotSent outside a snapshot; nothing to reconcile");
                     return Ok(());
@@ -343,7 +366,7 @@ impl InpodManager {
         })?;
 
         let (bound, sockets) = bound;
-        let (pod_drain, pod_watcher) = drain::channel();
+        let (pod_drain, pod_watcher) = drain::channel_with(self.drain_deadline);
         let (pod_context, connections) = match sockets {
             Some(sockets) => {
                 let (p, c) = proxy::PodContext::new(
@@ -436,7 +459,7 @@ impl InpodManager {
     }
 
     /// Closes a pod's listeners (closed when this returns) and tells its
-    /// live connections to drain: they get [`DRAIN_DEADLINE`] to finish.
+    /// live connections to drain: they get the drain deadline to finish.
     /// Returns what resolves once they have ended.
     async fn remove(&mut self, uid: &str, why: &str) -> Option<PodConnections> {
         let Some(pod) = self.pods.remove(uid) else {

@@ -15,10 +15,9 @@ use tokio::net::TcpStream;
 use super::metrics::ConnectionResult;
 use super::{PodContext, ProxyError, live};
 use crate::copy::{ChunkIo, CopyConfig, copy_bidirectional};
-use crate::drain::DRAIN_DEADLINE;
 
 /// Copies both ways until done; once the pod drains, gives the connection
-/// [`DRAIN_DEADLINE`] more, then closes it. A revoked connection (a policy
+/// the drain's deadline more, then closes it. A revoked connection (a policy
 /// change denies it) is closed at once.
 ///
 /// Sized for a connection's life: the copy is boxed when this is called,
@@ -58,7 +57,7 @@ where
             _ = pod.drain.signaled() => {}
         }
         tokio::select! {
-            r = tokio::time::timeout(DRAIN_DEADLINE, copy) => match r {
+            r = tokio::time::timeout(pod.drain.deadline(), copy) => match r {
                 Ok(r) => r.map_err(ProxyError::from),
                 Err(_) => Err(ProxyError::Drained),
             },

@@ -33,7 +33,6 @@ use super::metrics::{ConnectionOpen, ConnectionResult, Reporter, SecurityPolicy}
 use super::recent::trace_id_of;
 use super::resolve::is_waypoint_of;
 use super::{PodContext, ProxyContext, ProxyError, peer_info, workload_identity};
-use crate::drain::DRAIN_DEADLINE;
 use crate::hbone::{ConnectRequest, H2Stream, HboneServer, PendingConnect};
 use crate::identity::Identity;
 use crate::rbac::{ConnectionAttrs, Decision, PeerIdentity};
@@ -84,7 +83,7 @@ async fn hbone_connection(
     let outcome = tokio::select! {
         r = &mut serve => Some(r),
         _ = pod.drain.signaled() => {
-            tokio::time::timeout(DRAIN_DEADLINE, &mut serve).await.ok()
+            tokio::time::timeout(pod.drain.deadline(), &mut serve).await.ok()
         }
     };
     if let Some(Err(e)) = outcome {

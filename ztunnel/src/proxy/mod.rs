@@ -22,7 +22,7 @@
 //!   (metrics, one access-log line and one record in the
 //!   [`recent::ConnectionTable`] the admin's `/connections` serves) and
 //!   ends within
-//!   [`DRAIN_DEADLINE`] once its pod or the whole ztunnel drains.
+//!   the drain's deadline once its pod or the whole ztunnel drains.
 
 mod connection;
 pub mod inbound;
@@ -45,7 +45,6 @@ use hyper::http::StatusCode;
 use rustls::{ClientConfig, ServerConfig};
 
 use crate::copy::{CopyConfig, CopyError};
-use crate::drain::DRAIN_DEADLINE;
 use crate::hbone::HbonePool;
 use crate::hbone::{ClientError, PoolError, ServerError, TlsError};
 use crate::identity::{
@@ -126,7 +125,7 @@ pub enum ProxyError {
     #[error(transparent)]
     Copy(#[from] CopyError),
     #[error(
-        "closed after the drain deadline ({DRAIN_DEADLINE:?}) while the pod or ztunnel was shutting down"
+        "closed at the drain deadline while the pod or ztunnel was shutting down (ztunnel: --drain-timeout-secs)"
     )]
     Drained,
 }

@@ -22,7 +22,9 @@ pub struct InstallArgs {
     /// where they are absent).
     #[arg(long, requires = "dry_run")]
     include_crds: bool,
-    /// KEY=VALUE: image=REGISTRY/PREFIX, tag=TAG, replicas=N (repeatable).
+    /// KEY=VALUE: image=REGISTRY/PREFIX, tag=TAG, replicas=N,
+    /// cniConfDir=DIR, cniBinDir=DIR (the node's CNI directories, default
+    /// /etc/cni/net.d and /opt/cni/bin) (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
     /// Kubeconfig to use (default: KUBECONFIG, ~/.kube/config, in-cluster).

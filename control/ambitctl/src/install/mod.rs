@@ -5,8 +5,11 @@
 //! - `--set image=REGISTRY` replaces the image registry/prefix
 //!   (`ghcr.io/ambit-mesh`), `--set tag=TAG` every image's tag — the
 //!   workloads' and the proxy image the control plane injects
-//!   (`PROXY_IMAGE`) — and `--set replicas=N` the control plane's replicas.
-//!   Only those fields change: every other object renders as written.
+//!   (`PROXY_IMAGE`) — `--set replicas=N` the control plane's replicas, and
+//!   `--set cniConfDir=DIR,cniBinDir=DIR` where the node agent finds the
+//!   node's CNI configuration and plugins (default `/etc/cni/net.d`,
+//!   `/opt/cni/bin`; k3s, GKE and others put them elsewhere). Only those
+//!   fields change: every other object renders as written.
 //! - The Istio CRDs (`deploy/kubernetes/crds`) are applied only where no
 //!   CRD of that name exists or it is Ambit's; Istio's are left alone.
 //! - Applying is idempotent: each object is reported `created`,
@@ -77,7 +80,9 @@ const IMAGE_ENV: [&str; 1] = ["PROXY_IMAGE"];
 /// Why install or uninstall failed.
 #[derive(Debug, thiserror::Error)]
 pub enum InstallError {
-    #[error("--set {0}: expected KEY=VALUE with KEY one of image, tag, replicas")]
+    #[error(
+        "--set {0}: expected KEY=VALUE with KEY one of image, tag, replicas, cniConfDir, cniBinDir (directories are absolute paths)"
+    )]
     BadSet(String),
     #[error("{file}: {reason}")]
     Manifest { file: String, reason: String },
@@ -97,6 +102,10 @@ pub struct Values {
     pub image: Option<String>,
     pub tag: Option<String>,
     pub replicas: Option<i64>,
+    /// The node's CNI configuration directory.
+    pub cni_conf_dir: Option<String>,
+    /// The node's CNI plugin directory.
+    pub cni_bin_dir: Option<String>,
 }
 
 impl Values {
@@ -115,6 +124,17 @@ impl Values {
                 "tag" => v.tag = Some(val.to_string()),
                 "replicas" => {
                     v.replicas = Some(val.parse().ok().filter(|n| *n >= 1).ok_or_else(bad)?)
+                }
+                "cniConfDir" | "cniBinDir" => {
+                    if !val.starts_with('/') {
+                        return Err(bad());
+                    }
+                    let dir = Some(val.trim_end_matches('/').to_string());
+                    if k.trim() == "cniConfDir" {
+                        v.cni_conf_dir = dir;
+                    } else {
+                        v.cni_bin_dir = dir;
+                    }
                 }
                 _ => return Err(bad()),
             }
@@ -170,6 +190,21 @@ fn set_values(doc: &mut Value, values: &Values) {
         && let Some(spec) = doc.get_mut("spec").and_then(Value::as_object_mut)
     {
         spec.insert("replicas".into(), json!(n));
+    }
+    if let Some(volumes) = doc
+        .pointer_mut("/spec/template/spec/volumes")
+        .and_then(Value::as_array_mut)
+    {
+        for vol in volumes {
+            let dir = match vol.get("name").and_then(Value::as_str) {
+                Some("cni-conf") => &values.cni_conf_dir,
+                Some("cni-bin") => &values.cni_bin_dir,
+                _ => &None,
+            };
+            if let (Some(dir), Some(host)) = (dir, vol.get_mut("hostPath")) {
+                host["path"] = json!(dir);
+            }
+        }
     }
     let Some(containers) = doc
         .pointer_mut("/spec/template/spec/containers")

@@ -55,6 +55,8 @@ fn only_the_workloads_change_every_other_document_renders_as_written() {
         image: Some("example.test/x".into()),
         tag: Some("t".into()),
         replicas: Some(5),
+        cni_conf_dir: Some("/var/lib/cni/conf".into()),
+        cni_bin_dir: Some("/var/lib/cni/bin".into()),
     })
     .unwrap_or_default();
     assert_eq!(plain.len(), set.len());
@@ -106,4 +108,41 @@ fn dry_run_yaml_reads_back_as_the_same_documents() {
     let back: Vec<Value> = serde_saphyr::from_multiple(&yaml).unwrap_or_default();
     let back: Vec<Value> = back.into_iter().filter(Value::is_object).collect();
     assert_eq!(back, docs, "strings such as \"true\" stay strings");
+}
+
+#[test]
+fn cni_directories_move_the_node_agents_host_paths() {
+    let v = Values::parse(&[
+        "cniConfDir=/var/lib/rancher/k3s/agent/etc/cni/net.d/".into(),
+        "cniBinDir=/home/kubernetes/bin".into(),
+    ])
+    .unwrap_or_default();
+    let docs = render(&v).unwrap_or_default();
+    let agent = docs
+        .iter()
+        .find(|d| d["kind"] == "DaemonSet" && d["metadata"]["name"] == "ambit-node-agent");
+    let paths: Vec<(String, String)> = agent
+        .and_then(|a| a.pointer("/spec/template/spec/volumes"))
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|v| {
+            Some((
+                v["name"].as_str()?.into(),
+                v["hostPath"]["path"].as_str()?.into(),
+            ))
+        })
+        .filter(|(n, _): &(String, String)| n.starts_with("cni-"))
+        .collect();
+    assert_eq!(
+        paths,
+        [
+            ("cni-bin".to_string(), "/home/kubernetes/bin".to_string()),
+            (
+                "cni-conf".to_string(),
+                "/var/lib/rancher/k3s/agent/etc/cni/net.d".to_string()
+            ),
+        ]
+    );
+    assert!(Values::parse(&["cniConfDir=relative/dir".into()]).is_err());
 }

@@ -108,6 +108,24 @@ impl ZdsAgentConn {
         self.recv_ack()
     }
 
+    /// Whether ztunnel has closed its end (checked without waiting and
+    /// without consuming anything: ztunnel sends only when asked, so
+    /// anything but end-of-file means it is still there).
+    pub fn is_closed(&self) -> bool {
+        use nix::sys::socket::{MsgFlags, recv};
+        let mut byte = [0u8; 1];
+        match recv(
+            self.sock.as_raw_fd(),
+            &mut byte,
+            MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT,
+        ) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR) => false,
+            Err(_) => true,
+        }
+    }
+
     /// Closes the connection (as an agent restart would).
     pub fn close(self) {
         drop(self.sock);
