@@ -59,8 +59,9 @@ fn drain_pipe<R: std::io::Read + Send + 'static>(
     })
 }
 
-/// Runs `cmd` up to `limit`; its output, or an error with it.
-pub fn run_checked(mut cmd: Command, limit: Duration, what: &str) -> Result<Output> {
+/// Runs `cmd` up to `limit` (killed past it); its output, whatever its
+/// exit status.
+fn run_bounded(mut cmd: Command, limit: Duration, what: &str) -> Result<Output> {
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -80,11 +81,17 @@ pub fn run_checked(mut cmd: Command, limit: Duration, what: &str) -> Result<Outp
         }
         std::thread::sleep(Duration::from_millis(50));
     };
-    let output = Output {
+    Ok(Output {
         status,
         stdout: out_t.join().unwrap_or_default(),
         stderr: err_t.join().unwrap_or_default(),
-    };
+    })
+}
+
+/// Runs `cmd` up to `limit`; its output, or an error with it when it
+/// failed.
+pub fn run_checked(cmd: Command, limit: Duration, what: &str) -> Result<Output> {
+    let output = run_bounded(cmd, limit, what)?;
     if !output.status.success() {
         bail!(
             "{what} failed ({}): {}{}",
@@ -201,31 +208,16 @@ impl Cluster {
         let mut c = Command::new("kubectl");
         c.args(["-n", ns, "exec", pod, "--"])
             .args(cmd)
-            .env("KUBECONFIG", self.kubeconfig()?)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = c.spawn().context("starting kubectl exec")?;
-        let out_t = drain_pipe(child.stdout.take());
-        let err_t = drain_pipe(child.stderr.take());
-        let start = Instant::now();
-        let status = loop {
-            if let Some(s) = child.try_wait()? {
-                break s;
-            }
-            if start.elapsed() > limit {
-                let _ = child.kill();
-                let _ = child.wait();
-                bail!("kubectl exec {ns}/{pod} {cmd:?}: no result within {limit:?}");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out_t.join().unwrap_or_default()),
-            String::from_utf8_lossy(&err_t.join().unwrap_or_default())
-        );
-        Ok((status.code().unwrap_or(-1), text))
+            .env("KUBECONFIG", self.kubeconfig()?);
+        let out = run_bounded(c, limit, &format!("kubectl exec {ns}/{pod} {cmd:?}"))?;
+        Ok((
+            out.status.code().unwrap_or(-1),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        ))
     }
 
     /// A file of the node (the host), e.g. the CNI conflist.

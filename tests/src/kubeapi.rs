@@ -429,46 +429,11 @@ pub async fn client_from(kubeconfig: &Path) -> Result<Client> {
 
 /// Runs a kit script on a blocking thread, bounded by `limit`; its output
 /// goes into the error when it fails.
-async fn run_bounded(mut cmd: Command, limit: Duration, what: &str) -> Result<()> {
+async fn run_bounded(cmd: Command, limit: Duration, what: &str) -> Result<()> {
     let what = what.to_string();
-    let job = tokio::task::spawn_blocking(move || {
-        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-        let child = cmd.spawn().with_context(|| format!("starting {what}"))?;
-        let out = wait_with_deadline(child, limit)?;
-        if !out.status.success() {
-            bail!(
-                "{what} failed ({}): {}{}",
-                out.status,
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        Ok(())
-    });
-    job.await.context("the kit script's thread")?
-}
-
-/// Waits for `child` up to `limit`, killing it past that.
-fn wait_with_deadline(
-    mut child: std::process::Child,
-    limit: Duration,
-) -> Result<std::process::Output> {
-    let start = std::time::Instant::now();
-    loop {
-        if child.try_wait()?.is_some() {
-            return Ok(child.wait_with_output()?);
-        }
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            let out = child.wait_with_output()?;
-            bail!(
-                "no result within {limit:?}: {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    tokio::task::spawn_blocking(move || crate::cluster::run_checked(cmd, limit, &what).map(drop))
+        .await
+        .context("the kit script's thread")?
 }
 
 impl Drop for KubeApiServer {
@@ -482,14 +447,8 @@ impl Drop for KubeApiServer {
             return;
         }
         let mut cmd = self.script("down.sh");
-        cmd.arg("--purge")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        let done = cmd
-            .spawn()
-            .map_err(anyhow::Error::from)
-            .and_then(|c| wait_with_deadline(c, Duration::from_secs(30)));
-        if let Err(e) = done {
+        cmd.arg("--purge");
+        if let Err(e) = crate::cluster::run_checked(cmd, Duration::from_secs(30), "down.sh") {
             eprintln!("stopping the API server at {}: {e:#}", self.server);
         }
         if let Some(dir) = &self.audit_dir {

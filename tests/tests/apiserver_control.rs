@@ -11,8 +11,8 @@
 //! - two replicas: one Lease holder, the CA root Secret created once, the
 //!   Lease handed over on a clean stop and after a kill;
 //! - ztunnel as deployed (TLS to 15012, a TokenRequest token bound to its
-//!   pod, audience `istio-ca`) gets its node's config; forged and
-//!   wrong-audience tokens are refused.
+//!   pod, audience `istio-ca`) gets its node's config and certificates for
+//!   its node's pods only; forged and wrong-audience tokens are refused.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -217,6 +217,32 @@ async fn a_crd_installed_later_is_watched_within_seconds() {
     cp.shutdown().await;
 }
 
+/// Asks the CA at `addr` for a certificate of `identity` with `token`, as
+/// a ztunnel does for a pod of its node (impersonation).
+async fn certify(
+    addr: std::net::SocketAddr,
+    token: &str,
+    identity: &str,
+) -> Result<Vec<String>, tonic::Status> {
+    use ambit_control::ca::{generate_csr, impersonation_metadata};
+    use ambit_proto::auth::IstioCertificateRequest;
+    use ambit_proto::auth::istio_certificate_service_client::IstioCertificateServiceClient;
+    let mut c = IstioCertificateServiceClient::connect(format!("http://{addr}"))
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let mut req = tonic::Request::new(IstioCertificateRequest {
+        csr: generate_csr(&[identity], &[]).unwrap().csr_pem,
+        validity_duration: 3600,
+        metadata: Some(impersonation_metadata(identity)),
+    });
+    req.metadata_mut()
+        .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    req.set_timeout(LIMIT);
+    c.create_certificate(req)
+        .await
+        .map(|r| r.into_inner().cert_chain)
+}
+
 fn lease_holder(lease: &Value) -> String {
     lease["spec"]["holderIdentity"]
         .as_str()
@@ -401,6 +427,37 @@ async fn ztunnel_with_a_bound_token_gets_its_config_over_tls_and_forged_tokens_a
             "{what}: {err}"
         );
     }
+
+    // The CA signs, for ztunnel's bound token, the identities of its own
+    // node's pods only.
+    kube.apply(&json!({"apiVersion": "v1", "kind": "ServiceAccount",
+        "metadata": {"name": "db", "namespace": "shop"}}))
+        .await
+        .unwrap();
+    kube.running_pod(
+        "shop",
+        "db-0",
+        "db",
+        "node-2",
+        "10.244.1.5",
+        json!({"app": "db"}),
+    )
+    .await
+    .unwrap();
+    let own = "spiffe://cluster.local/ns/shop/sa/web";
+    let other_node = "spiffe://cluster.local/ns/shop/sa/db";
+    let chain = eventually(LIMIT, "a certificate for a pod of node-1", || async {
+        certify(cp.xds_addr(), &good, own).await.ok()
+    })
+    .await
+    .unwrap();
+    assert!(!chain.is_empty());
+    let refused = certify(cp.xds_addr(), &good, other_node).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused}");
+    let refused = certify(cp.xds_addr(), &wrong_audience, own)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused}");
 
     let token = dir.path().join("istio-token");
     std::fs::write(&token, &good).unwrap();

@@ -308,3 +308,98 @@ async fn analyze_reads_a_standard_channel_cluster_as_it_reads_files() {
 async fn analyze_reads_a_gateway_api_v1_2_1_cluster_as_it_reads_files() {
     analyze_cluster(Crds::V1_2_1).await;
 }
+
+/// An AuthorizationPolicy that Istio's CRD schema accepts but Istio
+/// rejects (an unknown `when` key, a port given by name): rejected with its
+/// field path in `/debug/config_errors`, as `Reconciled=False` on the
+/// object, by `analyze`, and the last good version keeps serving — never a
+/// silently different policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_istio_would_reject_is_rejected_with_its_field_path_everywhere() {
+    let kube = KubeApiServer::start(Crds::Standard).await.unwrap();
+    kube.install_ambit().await.unwrap();
+    kube.apply(&json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "shop"}}))
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cp = control_plane(&kube, dir.path()).await;
+    wait_synced(&cp, LIMIT).await.unwrap();
+    kube.apply(&policy("guard", "9000")).await.unwrap();
+    let good = |body: &str| body.trim() == "[]";
+    ambit_tests::eventually(LIMIT, "the good policy accepted", || async {
+        let b = ambit_tests::get(cp.monitoring_addr(), "/debug/config_errors")
+            .await
+            .ok()?;
+        good(&b).then_some(())
+    })
+    .await
+    .unwrap();
+
+    // The CRD schema lets both through: the API server stores them.
+    for (spec, path) in [
+        (
+            json!({"selector": {"matchLabels": {"app": "web"}}, "action": "ALLOW",
+                   "rules": [{"when": [{"key": "source.nmespace", "values": ["shop"]}]}]}),
+            "spec.rules[0].when[0].key",
+        ),
+        (
+            json!({"selector": {"matchLabels": {"app": "web"}}, "action": "DENY",
+                   "rules": [{"to": [{"operation": {"ports": ["http"]}}]}]}),
+            "spec.rules[0].to[0].operation.ports",
+        ),
+    ] {
+        kube.apply(
+            &json!({"apiVersion": "security.istio.io/v1", "kind": "AuthorizationPolicy",
+            "metadata": {"name": "guard", "namespace": "shop"}, "spec": spec}),
+        )
+        .await
+        .unwrap();
+        let errors = ambit_tests::eventually(LIMIT, "the rejection", || async {
+            let b = ambit_tests::get(cp.monitoring_addr(), "/debug/config_errors")
+                .await
+                .ok()?;
+            b.contains(path).then_some(b)
+        })
+        .await
+        .unwrap();
+        assert!(
+            errors.contains("last accepted version keeps serving"),
+            "{errors}"
+        );
+        // The leader writes the reason on the object.
+        let status = ambit_tests::eventually(LIMIT, "Reconciled=False", || async {
+            let (api, _) =
+                ambit_tests::kubeapi::api_of(&kube.client().await.ok()?, &policy("guard", "1"))
+                    .ok()?;
+            let obj = api.get("guard").await.ok()?;
+            let c = obj.data["status"]["conditions"]
+                .as_array()?
+                .first()?
+                .clone();
+            (c["status"] == "False" && c["message"].as_str()?.contains(path)).then_some(c)
+        })
+        .await
+        .unwrap();
+        assert_eq!(status["type"], "Reconciled", "{status}");
+        // And analyze names it too.
+        let client = kube.client().await.unwrap();
+        let cluster = Cluster::list(client, kube.server.clone()).await.unwrap();
+        let report = analyze::analyze(&[&cluster as &dyn Source], &[]).unwrap();
+        assert!(
+            report
+                .messages
+                .iter()
+                .any(|m| m.resource.to_string().contains("guard") && m.message.contains(path)),
+            "{:#?}",
+            report.messages
+        );
+    }
+    // The last good version still serves: the DENY on port 9000.
+    let snap = cp.snapshots().borrow().clone();
+    let held = snap.mesh(ambit_proto::AUTHORIZATION_TYPE_URL);
+    assert!(
+        held.by_name.contains_key("shop/guard"),
+        "the last good policy serves"
+    );
+    cp.shutdown().await;
+}
