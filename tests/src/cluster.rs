@@ -174,6 +174,17 @@ impl Cluster {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
+    /// Waits (`kubectl rollout status`) until `what` (`ds/ztunnel`) in
+    /// `ns` has rolled out.
+    pub fn rollout_status(&self, ns: &str, what: &str, limit: Duration) -> Result<()> {
+        let timeout = format!("--timeout={}s", limit.as_secs());
+        self.kubectl(
+            &["-n", ns, "rollout", "status", what, &timeout],
+            limit + Duration::from_secs(10),
+        )
+        .map(drop)
+    }
+
     /// `kubectl apply -f -` of `yaml`.
     pub fn apply(&self, yaml: &str) -> Result<()> {
         let mut cmd = Command::new("kubectl");

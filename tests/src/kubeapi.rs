@@ -17,10 +17,11 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::Duration;
 
+use ambit_control::ControlConfig;
 use anyhow::{Context, Result, anyhow, bail};
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::ServiceAccount;
-use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::discovery::ApiResource;
 use kube::{Client, Config};
 use serde_json::Value;
@@ -347,6 +348,141 @@ impl KubeApiServer {
             .metadata
             .uid
             .ok_or_else(|| anyhow!("pod {ns}/{name} has no uid"))
+    }
+
+    /// A ztunnel pod `ambit-system/<name>` running on `node` at `ip`, and a
+    /// token bound to it (audience `istio-ca`), as the DaemonSet projects it.
+    pub async fn ztunnel_pod(&self, name: &str, node: &str, ip: &str) -> Result<String> {
+        let uid = self
+            .running_pod(
+                "ambit-system",
+                name,
+                "ztunnel",
+                node,
+                ip,
+                serde_json::json!({"app": "ztunnel"}),
+            )
+            .await?;
+        self.token(
+            "ambit-system",
+            "ztunnel",
+            Some("istio-ca"),
+            Some((name, &uid)),
+        )
+        .await
+    }
+
+    /// Deletes pod `ns/name` at once, as the kubelet finishes a deletion
+    /// (`--grace-period=0`): no kubelet runs here to end a graceful one.
+    pub async fn delete_pod(&self, ns: &str, name: &str) -> Result<()> {
+        let api: Api<Pod> = Api::namespaced(self.client().await?, ns);
+        let params = DeleteParams {
+            grace_period_seconds: Some(0),
+            ..DeleteParams::default()
+        };
+        tokio::time::timeout(Duration::from_secs(10), api.delete(name, &params))
+            .await
+            .map_err(|_| anyhow!("deleting pod {ns}/{name}: no answer"))?
+            .with_context(|| format!("deleting pod {ns}/{name}"))?;
+        Ok(())
+    }
+
+    /// Merge-patches the object `doc` names (apiVersion, kind, metadata)
+    /// with `patch`, as the admin.
+    pub async fn patch(&self, doc: &Value, patch: &Value) -> Result<DynamicObject> {
+        let (api, name) = api_of(&self.client().await?, doc)?;
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            api.patch(&name, &PatchParams::default(), &Patch::Merge(patch)),
+        )
+        .await
+        .map_err(|_| anyhow!("patching {}: no answer", describe(doc)))?
+        .with_context(|| format!("patching {}", describe(doc)))
+    }
+
+    /// The object `doc` names, as the API server holds it now.
+    pub async fn get(&self, doc: &Value) -> Result<Option<Value>> {
+        let (api, name) = api_of(&self.client().await?, doc)?;
+        let obj = tokio::time::timeout(Duration::from_secs(10), api.get_opt(&name))
+            .await
+            .map_err(|_| anyhow!("reading {}: no answer", describe(doc)))?
+            .with_context(|| format!("reading {}", describe(doc)))?;
+        Ok(obj.map(|o| serde_json::to_value(o).unwrap_or(Value::Null)))
+    }
+
+    /// Applies `docs` as a user and the kubelet would: Namespaces first,
+    /// then the rest; for each Pod its ServiceAccount (no controller makes
+    /// `default` here), an image for each container (the local demo leaves
+    /// it out), and its `status` through the status subresource.
+    pub async fn apply_as_a_cluster(&self, docs: &[Value]) -> Result<()> {
+        let mut docs = docs.to_vec();
+        docs.sort_by_key(|d| d["kind"] != "Namespace");
+        let client = self.client().await?;
+        for d in &docs {
+            if d["kind"] != "Pod" {
+                self.apply(d).await?;
+                continue;
+            }
+            let ns = d["metadata"]["namespace"]
+                .as_str()
+                .context("a pod's namespace")?;
+            let name = d["metadata"]["name"].as_str().context("a pod's name")?;
+            let sa = d["spec"]["serviceAccountName"]
+                .as_str()
+                .unwrap_or("default");
+            self.apply(
+                &serde_json::json!({"apiVersion": "v1", "kind": "ServiceAccount",
+                "metadata": {"name": sa, "namespace": ns}}),
+            )
+            .await?;
+            let mut pod = d.clone();
+            let status = pod.as_object_mut().and_then(|o| o.remove("status"));
+            if pod["spec"]["containers"]
+                .as_array()
+                .is_none_or(Vec::is_empty)
+            {
+                pod["spec"]["containers"] = serde_json::json!([{"name": "app"}]);
+            }
+            if let Some(cs) = pod["spec"]["containers"].as_array_mut() {
+                for c in cs {
+                    c["image"] = serde_json::json!("example.test/demo:1");
+                }
+            }
+            self.apply(&pod).await?;
+            if let Some(status) = status {
+                let (api, _) = api_of(&client, &pod)?;
+                tokio::time::timeout(
+                    Duration::from_secs(10),
+                    api.patch_status(
+                        name,
+                        &PatchParams::default(),
+                        &Patch::Merge(&serde_json::json!({"status": status})),
+                    ),
+                )
+                .await
+                .map_err(|_| anyhow!("writing the status of pod {ns}/{name}: no answer"))?
+                .with_context(|| format!("writing the status of pod {ns}/{name}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The configuration of a control plane replica in Kubernetes mode,
+    /// as ServiceAccount `ambit-system/ambit-control` (a kubeconfig with
+    /// its own token, written in `dir`), with the tests' short Lease.
+    pub async fn control_config(&self, dir: &Path, replica: &str) -> Result<ControlConfig> {
+        let kc = self
+            .kubeconfig_for(
+                "ambit-system",
+                "ambit-control",
+                &dir.join(format!("control-{replica}.kubeconfig")),
+            )
+            .await?;
+        Ok(ControlConfig::for_kube_tests(
+            kc,
+            dir.join(format!("data-{replica}")),
+            replica,
+        ))
     }
 
     /// Applies every CRD of a JSON file of the kit (`crds/istio.json`, ...)

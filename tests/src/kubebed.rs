@@ -1,5 +1,7 @@
-//! Kubernetes-mode test bed: a [`FakeApiServer`], a control plane watching
-//! it, and a raw Delta ADS observer that records what a ztunnel receives.
+//! Kubernetes-mode test bed: a [`FakeApiServer`] and a control plane
+//! watching it (for the faults only the fake can show), and what tests
+//! against the real API server use too: a raw Delta ADS observer that
+//! records what a ztunnel receives, [`wait_synced`], [`pod_uid`].
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -20,13 +22,12 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::fakeapi::{FakeApiServer, TokenReviewAnswer};
 
-/// The user's extra keys of a bound ServiceAccount token.
-pub const POD_NAME_EXTRA: &str = "authentication.kubernetes.io/pod-name";
-pub const POD_UID_EXTRA: &str = "authentication.kubernetes.io/pod-uid";
+/// The user's extra key naming a bound ServiceAccount token's pod.
+const POD_NAME_EXTRA: &str = "authentication.kubernetes.io/pod-name";
 
 /// The token the control plane's kube client sends (identity
 /// `ambit-control` in the fake's call log).
-pub const CONTROL_TOKEN: &str = "control-plane-sa-token";
+const CONTROL_TOKEN: &str = "control-plane-sa-token";
 /// The node bootstrap token observers and ztunnels use.
 pub const NODE_TOKEN: &str = "node-1-bootstrap-token";
 
@@ -90,7 +91,7 @@ pub fn sa_token(ns: &str, sa: &str, pod: Option<&str>, audiences: &[&str]) -> To
 
 /// ztunnel's token (ServiceAccount `ambit-system/ztunnel`) from pod
 /// `ambit-system/<pod>`, audience `istio-ca`.
-pub fn ztunnel_token(pod: &str) -> TokenReviewAnswer {
+fn ztunnel_token(pod: &str) -> TokenReviewAnswer {
     sa_token("ambit-system", "ztunnel", Some(pod), &["istio-ca"])
 }
 

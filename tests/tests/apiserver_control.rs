@@ -20,7 +20,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use ambit_config::Kind;
-use ambit_control::{ControlConfig, ControlPlane};
+use ambit_control::ControlPlane;
 use ambit_tests::eventually;
 use ambit_tests::kubeapi::{Crds, KubeApiServer, client_from};
 use ambit_tests::kubebed::{Observer, wait_synced};
@@ -30,15 +30,7 @@ const LIMIT: Duration = Duration::from_secs(20);
 
 /// A control plane replica as ServiceAccount `ambit-system/ambit-control`.
 async fn control_plane(kube: &KubeApiServer, dir: &Path, replica: &str) -> ControlPlane {
-    let kc = kube
-        .kubeconfig_for(
-            "ambit-system",
-            "ambit-control",
-            &dir.join(format!("control-{replica}.kubeconfig")),
-        )
-        .await
-        .unwrap();
-    let cfg = ControlConfig::for_kube_tests(kc, dir.join(format!("data-{replica}")), replica);
+    let cfg = kube.control_config(dir, replica).await.unwrap();
     ControlPlane::start(cfg).await.unwrap()
 }
 

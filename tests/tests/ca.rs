@@ -205,7 +205,7 @@ async fn every_bad_request_is_refused_with_a_reason_and_the_server_keeps_serving
     let good = || csr(&[BACKEND]);
     let cases: Vec<(Option<&str>, String, i64, Code, &str)> = vec![
         (None, good(), 3600, Code::Unauthenticated, "no credentials: send `authorization: Bearer <token>`"),
-        (Some("forged-token-of-node-1"), good(), 3600, Code::Unauthenticated, "not known"),
+        (Some("forged-token-of-node-1"), good(), 3600, Code::Unauthenticated, "was refused"),
         (Some("tok-node-3"), good(), 3600, Code::Unauthenticated, "node tokens file"),
         (Some("tok-node-1"), csr(&[BACKEND, FRONTEND]), 3600, Code::InvalidArgument, "exactly one URI SAN with the SPIFFE identity, it has 2"),
         (

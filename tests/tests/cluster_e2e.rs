@@ -1,7 +1,8 @@
 //! Ambit on a real one-node Kubernetes cluster (the kit in
 //! `../shared/cluster`: kubelet + containerd, scheduler, controller-manager,
 //! a Service proxy and cluster DNS), installed the way a user does:
-//! images built from this workspace's binaries and loaded into the node,
+//! images built from this workspace's binaries (stripped; the release ones
+//! with `AMBIT_E2E_BIN_DIR=target/release`) and loaded into the node,
 //! `ambitctl install`, then checked with the real `kubectl`:
 //!
 //! 1. the DaemonSets and the control plane become ready;
@@ -32,8 +33,14 @@ const SHORT: Duration = Duration::from_secs(30);
 const TAG: &str = "e2e";
 const DEMO: &str = "example.test/ambit-demo:e2e";
 
-/// The directory of the workspace's binaries (beside this test's).
+/// The directory of the binaries the images are built from:
+/// `$AMBIT_E2E_BIN_DIR` (e.g. `target/release` after `cargo build
+/// --release`), else the ones beside this test's (the test profile's, which
+/// `cargo test` has just built).
 fn bin_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("AMBIT_E2E_BIN_DIR") {
+        return ambit_tests::workspace_root().join(dir);
+    }
     let exe = std::env::current_exe().unwrap();
     exe.parent().unwrap().parent().unwrap().to_path_buf()
 }
@@ -225,17 +232,7 @@ fn ambit_on_a_real_cluster_from_install_to_uninstall() {
     );
     for what in ["ds/ambit-node-agent", "ds/ztunnel", "deploy/ambit-control"] {
         cluster
-            .kubectl(
-                &[
-                    "-n",
-                    "ambit-system",
-                    "rollout",
-                    "status",
-                    what,
-                    "--timeout=180s",
-                ],
-                Duration::from_secs(200),
-            )
+            .rollout_status("ambit-system", what, Duration::from_secs(180))
             .unwrap();
     }
     step("installed: node agent, ztunnel and control plane ready", t0);
@@ -398,17 +395,7 @@ fn ambit_on_a_real_cluster_from_install_to_uninstall() {
         )
         .unwrap();
     cluster
-        .kubectl(
-            &[
-                "-n",
-                "ambit-system",
-                "rollout",
-                "status",
-                "ds/ztunnel",
-                "--timeout=90s",
-            ],
-            LIMIT,
-        )
+        .rollout_status("ambit-system", "ds/ztunnel", Duration::from_secs(90))
         .unwrap();
     let rolled = rollout.elapsed();
     let held = hold.join().unwrap();

@@ -1,14 +1,22 @@
-//! The node agent in Kubernetes mode against the in-process fake API
-//! server: its view holds every namespace and only its node's pods (field
-//! selector), follows label flips and survives a relist after `410 Gone`;
-//! a running pod the agent never saw through CNI is found by its cgroup,
-//! enrolled (redirection in its netns, handed over ZDS) and released and
-//! enrolled again as its namespace's label flips — the same reconcile as
-//! local mode.
+//! The node agent in Kubernetes mode against a real kube-apiserver (the
+//! kit in `../shared/kube`), as ServiceAccount
+//! `ambit-system/ambit-node-agent` with the RBAC Ambit ships:
+//!
+//! - its view holds every namespace and only its node's pods — selected by
+//!   the API server (`fieldSelector=spec.nodeName=<node>`, all namespaces,
+//!   as the audit log shows) — and follows label flips both ways;
+//! - a running pod the agent never saw through CNI is found by its cgroup,
+//!   enrolled (redirection in its netns, handed over ZDS), released and
+//!   enrolled again as its namespace's label flips — the same reconcile as
+//!   local mode (needs root).
+//!
+//! A relist after `410 Gone` cannot be caused on demand here: it is in
+//! `kube_source.rs`, against the fake API server.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeSet;
+use std::path::Path;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -20,24 +28,43 @@ use ambit_cni::agent::{Agent, AgentConfig};
 use ambit_cni::redirect::{self, RedirectPorts};
 use ambit_inpod::zds::{InpodCommand, InpodEvent, ZdsClient, ZdsClientConfig};
 use ambit_tests::eventually;
-use ambit_tests::fakeapi::FakeApiServer;
-use ambit_tests::kubebed::{namespace, pod};
-use serde_json::json;
+use ambit_tests::kubeapi::{Crds, KubeApiServer, client_from};
+use serde_json::{Value, json};
 use tokio::sync::{mpsc, watch};
 
-const LIMIT: Duration = Duration::from_secs(10);
+const LIMIT: Duration = Duration::from_secs(20);
+const AGENT_USER: &str = "system:serviceaccount:ambit-system:ambit-node-agent";
 
-async fn view_of(fake: &FakeApiServer, node: &str) -> watch::Receiver<Arc<MeshView>> {
-    let client = fake
-        .client(
-            &format!("ambit-node-agent/{node}"),
-            &format!("agent-{node}"),
+/// The node agent's view of `node`, as its own ServiceAccount.
+async fn view_of(kube: &KubeApiServer, dir: &Path, node: &str) -> watch::Receiver<Arc<MeshView>> {
+    let kc = kube
+        .kubeconfig_for(
+            "ambit-system",
+            "ambit-node-agent",
+            &dir.join(format!("agent-{node}.kubeconfig")),
         )
-        .unwrap();
-    tokio::time::timeout(LIMIT, spawn_kube_view(client, node))
         .await
-        .expect("the view lists within the limit")
-        .unwrap()
+        .unwrap();
+    tokio::time::timeout(
+        LIMIT,
+        spawn_kube_view(client_from(&kc).await.unwrap(), node),
+    )
+    .await
+    .expect("the view lists within the limit")
+    .unwrap()
+}
+
+/// Namespace `name` with `labels` and a ServiceAccount `default` (no
+/// controller makes it on a bare API server).
+async fn namespace(kube: &KubeApiServer, name: &str, labels: Value) {
+    kube.apply(&json!({"apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": name, "labels": labels}}))
+        .await
+        .unwrap();
+    kube.apply(&json!({"apiVersion": "v1", "kind": "ServiceAccount",
+        "metadata": {"name": "default", "namespace": name}}))
+        .await
+        .unwrap();
 }
 
 fn pods_of(v: &watch::Receiver<Arc<MeshView>>) -> BTreeSet<String> {
@@ -48,83 +75,118 @@ fn pods_of(v: &watch::Receiver<Arc<MeshView>>) -> BTreeSet<String> {
         .collect()
 }
 
-fn set(items: &[&str]) -> BTreeSet<String> {
-    items.iter().map(|s| s.to_string()).collect()
+async fn until_view(
+    v: &watch::Receiver<Arc<MeshView>>,
+    what: &str,
+    done: impl Fn(&MeshView) -> bool,
+) {
+    eventually(LIMIT, what, || {
+        let ok = done(&v.borrow());
+        async move { ok.then_some(()) }
+    })
+    .await
+    .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn view_holds_every_namespace_and_only_this_nodes_pods_and_follows_changes() {
-    let fake = FakeApiServer::start().await.unwrap();
-    fake.apply(namespace(
-        "shop",
-        json!({"istio.io/dataplane-mode": "ambient"}),
-    ))
-    .unwrap();
-    fake.apply(namespace("other", json!({}))).unwrap();
-    fake.apply(pod("shop", "a", "10.1.0.2", "node-1", json!({})))
+    let kube = KubeApiServer::start_audited(Crds::Standard).await.unwrap();
+    kube.install_ambit().await.unwrap();
+    namespace(&kube, "shop", json!({"istio.io/dataplane-mode": "ambient"})).await;
+    namespace(&kube, "other", json!({})).await;
+    let a = kube
+        .running_pod("shop", "a", "default", "node-1", "10.1.0.2", json!({}))
+        .await
         .unwrap();
-    fake.apply(pod("shop", "b", "10.1.1.2", "node-2", json!({})))
+    kube.running_pod("shop", "b", "default", "node-2", "10.1.1.2", json!({}))
+        .await
         .unwrap();
-    fake.apply(pod("other", "c", "10.1.0.3", "node-1", json!({})))
+    kube.running_pod("other", "c", "default", "node-1", "10.1.0.3", json!({}))
+        .await
         .unwrap();
-    let v = view_of(&fake, "node-1").await;
-    assert_eq!(pods_of(&v), set(&["other/c", "shop/a"]), "field selector");
-    assert_eq!(v.borrow().namespaces.len(), 2);
+    let dir = tempfile::tempdir().unwrap();
+    let v = view_of(&kube, dir.path(), "node-1").await;
+    assert_eq!(
+        pods_of(&v),
+        BTreeSet::from(["other/c".to_string(), "shop/a".to_string()]),
+        "this node's pods only"
+    );
+    let namespaces: kube::Api<k8s_openapi::api::core::v1::Namespace> =
+        kube::Api::all(kube.client().await.unwrap());
+    let every: BTreeSet<String> = namespaces
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|n| n.metadata.name)
+        .collect();
+    let seen: BTreeSet<String> = v.borrow().namespaces.keys().cloned().collect();
+    assert_eq!(seen, every, "every namespace");
     assert!(v.borrow().enrolled("shop", "a"));
     assert!(!v.borrow().enrolled("other", "c"));
     let info = v.borrow().pods[&("shop".to_string(), "a".to_string())].clone();
-    assert!(info.running && !info.uid.is_empty() && info.ips.len() == 1);
+    assert!(info.running, "{info:?}");
+    assert_eq!(info.uid, a);
+    assert_eq!(info.ips, ["10.1.0.2".parse::<std::net::IpAddr>().unwrap()]);
 
-    // A label flip both ways.
-    fake.apply(namespace(
+    // A label flip both ways: the namespace joins, the pod opts out.
+    namespace(
+        &kube,
         "other",
         json!({"istio.io/dataplane-mode": "ambient"}),
-    ))
-    .unwrap();
-    let vv = v.clone();
-    eventually(LIMIT, "other enrolled", || {
-        let v = vv.clone();
-        async move { v.borrow().enrolled("other", "c").then_some(()) }
-    })
+    )
+    .await;
+    until_view(&v, "other/c enrolled", |v| v.enrolled("other", "c")).await;
+    kube.patch(
+        &json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "c", "namespace": "other"}}),
+        &json!({"metadata": {"labels": {"istio.io/dataplane-mode": "none"}}}),
+    )
     .await
     .unwrap();
-    let mut p = fake.get("v1", "Pod", "other", "c").unwrap();
-    p["metadata"]["labels"] = json!({"istio.io/dataplane-mode": "none"});
-    fake.apply(p).unwrap();
-    let vv = v.clone();
-    eventually(LIMIT, "pod opted out", || {
-        let v = vv.clone();
-        async move { (!v.borrow().enrolled("other", "c")).then_some(()) }
-    })
-    .await
-    .unwrap();
-
-    // Relist after 410 Gone: changes made while the watch was down are
-    // all there, nothing stale stays.
-    fake.drop_watches();
-    fake.delete("v1", "Pod", "other", "c").unwrap();
-    fake.apply(pod("shop", "d", "10.1.0.4", "node-1", json!({})))
+    until_view(&v, "other/c opted out", |v| !v.enrolled("other", "c")).await;
+    // A new pod of this node arrives, one of another node does not, a
+    // deleted one goes.
+    kube.running_pod("shop", "d", "default", "node-1", "10.1.0.4", json!({}))
+        .await
         .unwrap();
-    fake.apply(pod("shop", "e", "10.1.1.4", "node-2", json!({})))
+    kube.running_pod("shop", "e", "default", "node-2", "10.1.1.4", json!({}))
+        .await
         .unwrap();
-    fake.compact();
-    let vv = v.clone();
-    eventually(LIMIT, "relisted", || {
-        let v = vv.clone();
-        async move { (pods_of(&v) == set(&["shop/a", "shop/d"])).then_some(()) }
+    kube.delete_pod("other", "c").await.unwrap();
+    until_view(&v, "shop/d in, other/c out", |v| {
+        v.pods.contains_key(&("shop".into(), "d".into()))
+            && !v.pods.contains_key(&("other".into(), "c".into()))
     })
-    .await
-    .unwrap();
-    let lists = fake
-        .calls()
-        .into_iter()
-        .filter(|c| c.identity == "ambit-node-agent/node-1" && c.resource == "pods")
-        .collect::<Vec<_>>();
-    assert!(lists.iter().all(|c| c.verb == "list" || c.verb == "watch"));
-    assert!(
-        lists.iter().all(|c| c.namespace.is_empty()),
-        "all namespaces"
+    .await;
+    assert_eq!(
+        pods_of(&v),
+        BTreeSet::from(["shop/a".to_string(), "shop/d".to_string()])
     );
+
+    // The API server did the selecting: every pod request of the agent is
+    // a list or watch of all namespaces with its node's field selector.
+    let requests: Vec<(String, String)> = kube
+        .audit_events()
+        .unwrap()
+        .into_iter()
+        .filter(|e| e["user"]["username"] == AGENT_USER && e["objectRef"]["resource"] == "pods")
+        .map(|e| {
+            (
+                e["verb"].as_str().unwrap().to_string(),
+                e["requestURI"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert!(!requests.is_empty());
+    for (verb, uri) in &requests {
+        assert!(verb == "list" || verb == "watch", "{verb} {uri}");
+        assert!(uri.starts_with("/api/v1/pods?"), "all namespaces: {uri}");
+        assert!(
+            uri.contains("fieldSelector=spec.nodeName%3Dnode-1"),
+            "the node's pods only: {uri}"
+        );
+    }
 }
 
 /// A ztunnel stand-in: acks every ZDS message and records the adds/deletes.
@@ -157,7 +219,7 @@ fn fake_ztunnel(
 struct Netns(String);
 impl Drop for Netns {
     fn drop(&mut self) {
-        let _ = redirect::remove(std::path::Path::new(&format!("/var/run/netns/{}", self.0)));
+        let _ = redirect::remove(Path::new(&format!("/var/run/netns/{}", self.0)));
         let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
     }
 }
@@ -170,18 +232,13 @@ async fn running_pod_is_enrolled_from_the_watch_and_follows_label_flips() {
         return;
     }
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
-    let fake = FakeApiServer::start().await.unwrap();
-    fake.apply(namespace(
-        "shop",
-        json!({"istio.io/dataplane-mode": "ambient"}),
-    ))
-    .unwrap();
-    fake.apply(pod("shop", "web-0", "10.1.0.5", "node-1", json!({})))
+    let kube = KubeApiServer::start(Crds::Standard).await.unwrap();
+    kube.install_ambit().await.unwrap();
+    namespace(&kube, "shop", json!({"istio.io/dataplane-mode": "ambient"})).await;
+    let uid = kube
+        .running_pod("shop", "web-0", "default", "node-1", "10.1.0.5", json!({}))
+        .await
         .unwrap();
-    let uid = fake.get("v1", "Pod", "shop", "web-0").unwrap()["metadata"]["uid"]
-        .as_str()
-        .unwrap()
-        .to_string();
 
     // The pod's netns, pinned where a runtime pins it, and a /proc where
     // its pause process's cgroup names the pod.
@@ -213,7 +270,7 @@ async fn running_pod_is_enrolled_from_the_watch_and_follows_label_flips() {
     .unwrap();
     std::os::unix::fs::symlink(&pinned, pid.join("ns/net")).unwrap();
 
-    let v = view_of(&fake, "node-1").await;
+    let v = view_of(&kube, dir.path(), "node-1").await;
     let zds = dir.path().join("zds.sock");
     let agent = Agent::start(
         AgentConfig {
@@ -272,17 +329,13 @@ async fn running_pod_is_enrolled_from_the_watch_and_follows_label_flips() {
     assert!(zlog.lock().unwrap().contains(&format!("add {uid}")));
 
     // The namespace leaves the mesh: released; and back.
-    fake.apply(namespace("shop", json!({}))).unwrap();
+    namespace(&kube, "shop", json!({})).await;
     eventually(LIMIT, "released", || enrolled(&agent, false))
         .await
         .unwrap();
     assert!(!redirect::is_installed(&pinned).unwrap());
     assert!(zlog.lock().unwrap().contains(&format!("del {uid}")));
-    fake.apply(namespace(
-        "shop",
-        json!({"istio.io/dataplane-mode": "ambient"}),
-    ))
-    .unwrap();
+    namespace(&kube, "shop", json!({"istio.io/dataplane-mode": "ambient"})).await;
     eventually(LIMIT, "enrolled again", || enrolled(&agent, true))
         .await
         .unwrap();
