@@ -490,6 +490,16 @@ async fn rbac_grants_exactly_the_calls_the_control_plane_and_node_agent_make() {
     .await
     .unwrap();
     obs.next(LIMIT).await.unwrap();
+    // A CRD kind vanishes from discovery: its CRD is read to tell a
+    // restarting API server from a deleted CRD (here: deleted).
+    fake.unregister("telemetry.istio.io/v1", "Telemetry");
+    eventually(LIMIT, "Telemetry absent", || async {
+        a.kube_source()?.states()[&ambit_config::Kind::Telemetry]
+            .starts_with("absent")
+            .then_some(())
+    })
+    .await
+    .unwrap();
     // A stale root ConfigMap: the next leader updates it.
     let mut cm = fake
         .get("v1", "ConfigMap", "ambit-system", "istio-ca-root-cert")

@@ -18,6 +18,13 @@
 //!   `watch` channel, and bumps [`Discovered::reachable_epoch`] when the
 //!   API server answers again after failing, so failing watches retry at
 //!   once instead of waiting out their backoff.
+//! - A kind that was served and vanishes from an answer is not dropped on
+//!   that word alone: an API server that has just restarted lists its
+//!   CRD-backed groups a moment after it answers. Its CRD is read: still
+//!   there (and not being deleted), the kind stays as it was and discovery
+//!   asks again every `retry`; gone, the kind is absent (its objects went
+//!   with it). When the CRD cannot be read, the kind stays for
+//!   [`VANISH_GRACE`]. Core kinds never vanish.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -37,6 +44,9 @@ use super::kinds::WatchSpec;
 
 /// Deadline of one discovery request.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a kind that vanished from discovery while its CRD cannot be
+/// read is kept as it was.
+const VANISH_GRACE: Duration = Duration::from_secs(60);
 /// Largest discovery document read (a cluster with hundreds of CRDs
 /// answers ~1 MB).
 const MAX_BODY: usize = 16 << 20;
@@ -81,6 +91,11 @@ impl ServedKinds {
     /// Whether discovery answered for `kind` (served or absent).
     pub fn knows(&self, kind: Kind) -> bool {
         self.by_kind.contains_key(&kind)
+    }
+
+    /// Records `kind` as served as `ar`.
+    fn set(&mut self, kind: Kind, ar: Option<ApiResource>) {
+        self.by_kind.insert(kind, ar);
     }
 
     /// Every kind asked about, with what it is served as.
@@ -278,6 +293,35 @@ async fn legacy(client: &Client, specs: &[WatchSpec]) -> Result<ServedKinds, Dis
     }))
 }
 
+/// Whether a kind's CRD exists.
+enum CrdState {
+    Present,
+    /// Not found, or being deleted.
+    Gone,
+}
+
+async fn crd_state(client: &Client, spec: &WatchSpec) -> Result<CrdState, DiscoveryError> {
+    let path = format!(
+        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{}",
+        spec.qualified_plural()
+    );
+    let (code, _, body) = get(client, &path, "application/json", None).await?;
+    match code {
+        404 => Ok(CrdState::Gone),
+        200 => {
+            let deleting = serde_json::from_slice::<serde_json::Value>(&body)
+                .ok()
+                .is_some_and(|v| !v["metadata"]["deletionTimestamp"].is_null());
+            Ok(if deleting {
+                CrdState::Gone
+            } else {
+                CrdState::Present
+            })
+        }
+        _ => Err(status_error(format!("GET {path}"), code, &body)),
+    }
+}
+
 /// Asks the API server once which version of each kind it serves.
 pub async fn discover(client: &Client, specs: &[WatchSpec]) -> Result<ServedKinds, DiscoveryError> {
     match aggregated(client, specs, None).await? {
@@ -346,6 +390,7 @@ impl DiscoveryLoop {
         let mut aggregated_ok = true;
         let mut failing: Option<(Instant, String)> = None;
         let mut last_legacy: Option<Instant> = None;
+        let mut vanished: BTreeMap<Kind, Instant> = BTreeMap::new();
         loop {
             let answer = if aggregated_ok {
                 match aggregated(&self.client, &self.specs, etag.as_deref()).await {
@@ -375,10 +420,22 @@ impl DiscoveryLoop {
                     if let Some((since, _)) = &recovered {
                         info!(after = ?since.elapsed(), "the API server answers discovery again");
                     }
+                    let fresh = match fresh {
+                        Some(f) => Some(self.confirm_vanished(f, &mut vanished).await),
+                        None => None,
+                    };
                     if !self.publish(fresh, recovered.is_some()) {
                         return;
                     }
-                    self.opts.poll
+                    if vanished.is_empty() {
+                        self.opts.poll
+                    } else {
+                        // Ask again in full, soon: the kinds kept as they
+                        // were should be listed again in a moment.
+                        etag = None;
+                        last_legacy = None;
+                        self.opts.retry
+                    }
                 }
                 Err(e) => {
                     let text = e.to_string();
@@ -408,6 +465,46 @@ impl DiscoveryLoop {
                 () = self.tx.closed() => return,
             }
         }
+    }
+
+    /// Keeps as it was every kind that was served and is missing from
+    /// `fresh` while its CRD still exists (see the module documentation);
+    /// `vanished` holds since when each such kind has been missing.
+    async fn confirm_vanished(
+        &self,
+        mut fresh: ServedKinds,
+        vanished: &mut BTreeMap<Kind, Instant>,
+    ) -> ServedKinds {
+        let before = self.tx.borrow().served.clone();
+        let Some(before) = before else {
+            return fresh;
+        };
+        for spec in &self.specs {
+            let (Some(was), None) = (before.get(spec.kind), fresh.get(spec.kind)) else {
+                vanished.remove(&spec.kind);
+                continue;
+            };
+            let since = *vanished.entry(spec.kind).or_insert_with(Instant::now);
+            let keep = if !spec.optional {
+                true
+            } else {
+                match crd_state(&self.client, spec).await {
+                    Ok(CrdState::Present) => true,
+                    Ok(CrdState::Gone) => false,
+                    Err(e) => {
+                        debug!(kind = %spec.kind, error = %e, "cannot read the CRD of a kind that vanished from discovery");
+                        since.elapsed() < VANISH_GRACE
+                    }
+                }
+            };
+            if keep {
+                debug!(kind = %spec.kind, missing_for = ?since.elapsed(), "a served kind is missing from discovery while its CRD is there; keeping it");
+                fresh.set(spec.kind, Some(was.clone()));
+            } else {
+                vanished.remove(&spec.kind);
+            }
+        }
+        fresh
     }
 
     /// Publishes a new answer (logging what changed) and a new epoch when

@@ -34,6 +34,8 @@ use crate::model::{ModelHandle, SourceUpdate};
 
 /// Objects per update while a list is read (one API page).
 const BATCH: usize = 500;
+/// The failure class of a watch that got no answer from the API server.
+const UNREACHABLE: &str = "unreachable";
 
 /// `(namespace, name)`; the namespace is empty for cluster-scoped kinds.
 type Key = (String, String);
@@ -333,8 +335,12 @@ impl KindWatch {
             Ok(ev) => ev,
             Err(e) => return self.on_error(e),
         };
-        if let Some((since, _)) = self.failing.take() {
-            info!(kind = %self.kind(), after = ?since.elapsed(), "Kubernetes watch recovered");
+        if let Some((since, class)) = self.failing.take() {
+            if class == UNREACHABLE {
+                debug!(kind = %self.kind(), after = ?since.elapsed(), "Kubernetes watch recovered");
+            } else {
+                info!(kind = %self.kind(), after = ?since.elapsed(), "Kubernetes watch recovered");
+            }
         }
         match event {
             Event::Init => self.listing = Some(HashSet::new()),
@@ -493,7 +499,7 @@ impl KindWatch {
                 "not found".to_string()
             }
             Some(c) if c != 0 => format!("HTTP {c}"),
-            _ => "unreachable".to_string(),
+            _ => UNREACHABLE.to_string(),
         };
         let hint = match code {
             Some(403) => format!(
@@ -505,10 +511,14 @@ impl KindWatch {
             }
             _ => "retrying with backoff; check that the API server is reachable".to_string(),
         };
-        // One WARN per change of state, not one per attempt.
+        // One line per change of state, not one per attempt; an unreachable
+        // API server is discovery's to report (one WARN for every kind).
         match &self.failing {
             Some((_, last)) if *last == class => {
                 debug!(kind = %self.kind(), error = %e, "Kubernetes watch failed again");
+            }
+            _ if class == UNREACHABLE => {
+                debug!(kind = %self.kind(), error = %e, "Kubernetes watch failed: {hint}");
             }
             _ => warn!(kind = %self.kind(), error = %e, "Kubernetes watch failed: {hint}"),
         }
