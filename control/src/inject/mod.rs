@@ -25,6 +25,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::Pod;
 
 mod patch;
+pub mod proxy;
 #[cfg(test)]
 mod tests;
 pub mod webhook;

@@ -4,15 +4,15 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
-    EnvVarSource, HTTPGetAction, ObjectFieldSelector, Pod, Probe, ProjectedVolumeSource,
-    ResourceRequirements, SecurityContext, ServiceAccountTokenProjection, Volume, VolumeMount,
-    VolumeProjection,
+    Capabilities, Container, Pod, ResourceRequirements, SecurityContext,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde_json::{Value, json};
 
+use super::proxy::{
+    ProxyKind, ProxySpec, ROOT_VOLUME, STATE_VOLUME, TOKEN_VOLUME, label_list, proxy_container,
+    proxy_volumes, workload_name,
+};
 use super::{INIT_CONTAINER, InjectSettings, PROXY_CONTAINER, Redirection, STATUS_ANNOTATION};
 
 /// Why a patch could not be built or applied.
@@ -28,12 +28,6 @@ pub enum PatchError {
     Malformed,
 }
 
-const TOKEN_VOLUME: &str = "ambit-token";
-const ROOT_VOLUME: &str = "ambit-ca";
-const STATE_VOLUME: &str = "ambit-state";
-const TOKEN_DIR: &str = "/var/run/secrets/tokens";
-const ROOT_DIR: &str = "/var/run/secrets/istio";
-const STATE_DIR: &str = "/var/run/ambit-agent";
 /// Ports the proxy serves that inbound redirection must not capture:
 /// HBONE, the agent's metrics and its readiness.
 const PROXY_INBOUND_PORTS: &str = "15008,15020,15021";
@@ -49,14 +43,26 @@ pub fn injection_patch(pod: &Pod, settings: &InjectSettings) -> Result<Vec<Value
     let spec = pod.spec.as_ref();
     let has_inits = spec.and_then(|s| s.init_containers.as_ref()).is_some();
     append(&mut ops, "/spec/initContainers", has_inits, &init)?;
+    // The pod's labels at injection time become the proxy's node metadata.
+    let proxy = ProxySpec {
+        kind: ProxyKind::Sidecar,
+        labels: pod
+            .metadata
+            .labels
+            .as_ref()
+            .map(label_list)
+            .unwrap_or_default(),
+        workload_name: workload_name(pod),
+        settings,
+    };
     append(
         &mut ops,
         "/spec/containers",
         true,
-        &[proxy_container(pod, settings)],
+        &[proxy_container(&proxy)],
     )?;
     let has_volumes = spec.and_then(|s| s.volumes.as_ref()).is_some();
-    append(&mut ops, "/spec/volumes", has_volumes, &volumes())?;
+    append(&mut ops, "/spec/volumes", has_volumes, &proxy_volumes())?;
 
     let status = json!({
         "initContainers": init.iter().map(|c| c.name.clone()).collect::<Vec<_>>(),
@@ -145,139 +151,6 @@ fn unescape(token: &str) -> String {
     token.replace("~1", "/").replace("~0", "~")
 }
 
-fn field_env(name: &str, field: &str) -> EnvVar {
-    EnvVar {
-        name: name.to_string(),
-        value_from: Some(EnvVarSource {
-            field_ref: Some(ObjectFieldSelector {
-                field_path: field.to_string(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-fn env(name: &str, value: impl Into<String>) -> EnvVar {
-    EnvVar {
-        name: name.to_string(),
-        value: Some(value.into()),
-        ..Default::default()
-    }
-}
-
-fn mount(name: &str, path: &str, read_only: bool) -> VolumeMount {
-    VolumeMount {
-        name: name.to_string(),
-        mount_path: path.to_string(),
-        read_only: Some(read_only),
-        ..Default::default()
-    }
-}
-
-/// The workload a pod belongs to, as its request metrics name it: a
-/// ReplicaSet owner less its pod-template-hash (the Deployment), another
-/// controller's name, else the pod's name or, before the API server names
-/// it, its `generateName` prefix.
-fn workload_name(pod: &Pod) -> String {
-    let m = &pod.metadata;
-    let hash = m.labels.as_ref().and_then(|l| l.get("pod-template-hash"));
-    let owners = m.owner_references.as_deref().unwrap_or_default();
-    let owner = owners
-        .iter()
-        .find(|o| o.controller == Some(true))
-        .or(owners.first());
-    if let Some(o) = owner {
-        let deployment = hash
-            .filter(|_| o.kind == "ReplicaSet")
-            .and_then(|h| o.name.strip_suffix(h.as_str())?.strip_suffix('-'));
-        return deployment.unwrap_or(&o.name).to_string();
-    }
-    match (&m.name, &m.generate_name) {
-        (Some(name), _) if !name.is_empty() => name.clone(),
-        (_, Some(prefix)) => prefix.trim_end_matches('-').to_string(),
-        _ => String::new(),
-    }
-}
-
-fn proxy_container(pod: &Pod, s: &InjectSettings) -> Container {
-    // The pod's labels at injection time become the proxy's node metadata
-    // (workload name, version, canonical service for telemetry). Label
-    // values cannot hold commas, so the list is unambiguous.
-    let labels: Vec<String> = pod
-        .metadata
-        .labels
-        .iter()
-        .flatten()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect();
-    Container {
-        name: PROXY_CONTAINER.to_string(),
-        image: Some(s.proxy_image.clone()),
-        args: Some(vec!["--kind".to_string(), "sidecar".to_string()]),
-        env: Some(vec![
-            field_env("NAMESPACE", "metadata.namespace"),
-            field_env("POD_NAME", "metadata.name"),
-            field_env("POD_IP", "status.podIP"),
-            field_env("SERVICE_ACCOUNT", "spec.serviceAccountName"),
-            field_env("NODE_NAME", "spec.nodeName"),
-            env("LABELS", labels.join(",")),
-            env("WORKLOAD_NAME", workload_name(pod)),
-            env("XDS_ADDRESS", s.xds_address.clone()),
-            env("TRUST_DOMAIN", s.trust_domain.clone()),
-            env("CLUSTER_ID", s.cluster_id.clone()),
-            env("TOKEN_FILE", format!("{TOKEN_DIR}/istio-token")),
-            env("ROOT_CERT", format!("{ROOT_DIR}/root-cert.pem")),
-            env("STATE_DIR", STATE_DIR),
-        ]),
-        ports: Some(vec![ContainerPort {
-            name: Some("http-monitoring".to_string()),
-            container_port: 15020,
-            protocol: Some("TCP".to_string()),
-            ..Default::default()
-        }]),
-        readiness_probe: Some(Probe {
-            http_get: Some(HTTPGetAction {
-                path: Some("/healthz/ready".to_string()),
-                port: IntOrString::Int(15021),
-                ..Default::default()
-            }),
-            initial_delay_seconds: Some(1),
-            period_seconds: Some(2),
-            failure_threshold: Some(30),
-            timeout_seconds: Some(3),
-            ..Default::default()
-        }),
-        resources: Some(ResourceRequirements {
-            requests: Some(BTreeMap::from([
-                ("cpu".to_string(), Quantity("100m".to_string())),
-                ("memory".to_string(), Quantity("128Mi".to_string())),
-            ])),
-            ..Default::default()
-        }),
-        security_context: Some(SecurityContext {
-            run_as_user: Some(s.proxy_uid),
-            run_as_group: Some(s.proxy_uid),
-            run_as_non_root: Some(true),
-            allow_privilege_escalation: Some(false),
-            read_only_root_filesystem: Some(true),
-            privileged: Some(false),
-            capabilities: Some(Capabilities {
-                drop: Some(vec!["ALL".to_string()]),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        volume_mounts: Some(vec![
-            mount(TOKEN_VOLUME, TOKEN_DIR, true),
-            mount(ROOT_VOLUME, ROOT_DIR, true),
-            mount(STATE_VOLUME, STATE_DIR, false),
-        ]),
-        ..Default::default()
-    }
-}
-
 fn init_container(s: &InjectSettings) -> Container {
     let uid = s.proxy_uid.to_string();
     Container {
@@ -319,42 +192,6 @@ fn init_container(s: &InjectSettings) -> Container {
         }),
         ..Default::default()
     }
-}
-
-fn volumes() -> Vec<Volume> {
-    vec![
-        Volume {
-            name: TOKEN_VOLUME.to_string(),
-            projected: Some(ProjectedVolumeSource {
-                sources: Some(vec![VolumeProjection {
-                    service_account_token: Some(ServiceAccountTokenProjection {
-                        audience: Some("istio-ca".to_string()),
-                        expiration_seconds: Some(43200),
-                        path: "istio-token".to_string(),
-                    }),
-                    ..Default::default()
-                }]),
-                ..Default::default()
-            }),
-            ..Default::default()
-        },
-        Volume {
-            name: ROOT_VOLUME.to_string(),
-            config_map: Some(ConfigMapVolumeSource {
-                name: "istio-ca-root-cert".to_string(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        },
-        Volume {
-            name: STATE_VOLUME.to_string(),
-            empty_dir: Some(EmptyDirVolumeSource {
-                medium: Some("Memory".to_string()),
-                ..Default::default()
-            }),
-            ..Default::default()
-        },
-    ]
 }
 
 /// Applies `add` operations (what [`injection_patch`] makes) to `doc`.
