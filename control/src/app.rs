@@ -25,8 +25,8 @@ use crate::ca::{
 use crate::config::{ControlConfig, SourceChoice};
 use crate::debug::{DebugState, ReadinessCheck, always_ready};
 use crate::k8s::ca_secret::{CaSecretError, CaSecretOptions, load_ca};
-use crate::k8s::gateway_status::{self, StatusOptions};
 use crate::k8s::leader::{LeaderElector, LeaseOptions};
+use crate::k8s::waypoint::{self, WaypointOptions};
 use crate::k8s::{root_configmap, webhook_ca};
 use crate::model::snapshot::Snapshot;
 use crate::model::spawn_model;
@@ -237,12 +237,27 @@ impl ControlPlane {
                 ));
                 let readiness = kube_readiness(source.clone(), serving_rx.clone());
                 let elector = Box::new(LeaderElector::spawn(client.clone(), lease_options(&cfg)));
-                tasks.push(tokio::spawn(gateway_status::run(
+                // Ready: every watch listed and the CA serving (what /ready
+                // says); the waypoint controller writes nothing before.
+                let (ready_tx, ready_rx) = watch::channel(false);
+                let (mut synced, mut serving) = (source.synced(), serving_rx.clone());
+                tasks.push(tokio::spawn(async move {
+                    if synced.wait_for(|s| *s).await.is_ok()
+                        && serving.wait_for(|s| *s).await.is_ok()
+                    {
+                        ready_tx.send_replace(true);
+                        std::future::pending::<()>().await;
+                    }
+                }));
+                tasks.push(tokio::spawn(waypoint::run(
                     client.clone(),
                     elector.subscribe(),
                     source.discovered(),
-                    StatusOptions {
+                    ready_rx,
+                    WaypointOptions {
                         domain: "cluster.local".into(),
+                        settings: cfg.inject_settings(),
+                        resync: Duration::from_secs(600),
                     },
                 )));
                 tasks.push(tokio::spawn(crate::k8s::config_status::run(

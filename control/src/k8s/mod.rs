@@ -16,9 +16,9 @@ use crate::config::ClusterAccess;
 
 pub mod ca_secret;
 pub mod config_status;
-pub mod gateway_status;
 pub mod leader;
 pub mod root_configmap;
+pub mod waypoint;
 pub mod webhook_ca;
 
 /// Deadline of one API call (get, create, update, patch, TokenReview).

@@ -240,7 +240,7 @@ async fn handle(state: Shared, req: Request<Incoming>) -> Response<Body> {
             .unwrap_or_else(|| "unknown".to_string())
     };
     let verb = verb(&method, &target, &q);
-    s.calls.push(ApiCall {
+    let call = ApiCall {
         identity,
         verb: verb.to_string(),
         group: target.def.group.clone(),
@@ -249,7 +249,20 @@ async fn handle(state: Shared, req: Request<Incoming>) -> Response<Body> {
         namespace: target.namespace.clone().unwrap_or_default(),
         name: target.name.clone().unwrap_or_default(),
         resource_version: q.get("resourceVersion").cloned().unwrap_or_default(),
-    });
+    };
+    // A server-side apply that creates its object needs `create` as well
+    // (a real API server authorizes both).
+    let creates = verb == "patch"
+        && content_type.contains("apply-patch")
+        && target.sub.is_none()
+        && get(&s, &target, false).is_err();
+    if creates {
+        s.calls.push(ApiCall {
+            verb: "create".to_string(),
+            ..call.clone()
+        });
+    }
+    s.calls.push(call);
     if let Some(code) = s.failing {
         return fail((
             code,
