@@ -15,6 +15,8 @@
 //! request, connection and call.
 #![forbid(unsafe_code)]
 
+#[path = "ambit_demo/count.rs"]
+mod count;
 #[path = "ambit_demo/hold.rs"]
 mod hold;
 #[path = "ambit_demo/net.rs"]
@@ -55,6 +57,8 @@ Examples:
   ambit-demo --call http://10.96.0.10/ask --tcp-call 10.96.0.40:7000 --every 2s
   # one-shot check (exit 0 if every call got a 2xx / a correct echo, else 1)
   ambit-demo --call http://10.96.0.10/ask --once
+  # 1000 calls, one every 10ms: how many each server answered, as JSON
+  ambit-demo --call http://llm.ai/ --count 1000 --every 10ms
   # one connection kept 20s, a line echoed every 100ms (exit 0 if none was lost)
   ambit-demo --hold 10.96.0.40:7000 --for 20s --every 100ms
 
@@ -121,6 +125,11 @@ struct Args {
     #[arg(long)]
     once: bool,
 
+    /// With one --call: make this many calls (one every --every), print how
+    /// many each server answered as JSON and exit (0: all were 2xx).
+    #[arg(long, value_name = "N")]
+    count: Option<u64>,
+
     /// Hold one TCP connection to this echo server for --for, sending a
     /// line every --every; print JSON and exit (0: every line came back).
     #[arg(long, value_name = "HOST:PORT", value_parser = TcpTarget::parse)]
@@ -176,6 +185,19 @@ fn init_logging(once: bool) {
 }
 
 async fn run(args: Args) -> Result<ExitCode> {
+    if let Some(n) = args.count {
+        let [target] = args.call.as_slice() else {
+            bail!("--count needs exactly one --call URL");
+        };
+        let caller = args.name.clone().unwrap_or_else(hostname);
+        let (summary, ok) = count::count_calls(target, n, args.every, args.timeout, &caller).await;
+        println!("{summary}");
+        return Ok(if ok {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        });
+    }
     if let Some(target) = &args.hold {
         let out = hold::hold(target, args.hold_for, args.every, args.timeout).await;
         println!("{}", out.to_json(target));

@@ -93,11 +93,20 @@ fn common_labels(gw: &GatewayRef<'_>) -> BTreeMap<String, String> {
     labels
 }
 
-/// The waypoint pods' labels.
-pub fn pod_labels(
+/// The labels of a waypoint Gateway's pods, in Kubernetes and in local
+/// mode alike: `extra` (the Gateway's infrastructure labels) and ours.
+pub fn waypoint_pod_labels(
     gateway_name: &str,
-    common: &BTreeMap<String, String>,
+    extra: &BTreeMap<String, String>,
 ) -> BTreeMap<String, String> {
+    let mut common = extra.clone();
+    common.insert(LABEL_ISTIO_GATEWAY_NAME.into(), gateway_name.into());
+    common.insert(LABEL_MANAGED.into(), MANAGED_VALUE.into());
+    pod_labels(gateway_name, &common)
+}
+
+/// The waypoint pods' labels: the objects' labels and the pods' own.
+fn pod_labels(gateway_name: &str, common: &BTreeMap<String, String>) -> BTreeMap<String, String> {
     let mut labels = common.clone();
     labels.insert(LABEL_GATEWAY_NAME.into(), gateway_name.into());
     labels.insert("istio.io/dataplane-mode".into(), "none".into());

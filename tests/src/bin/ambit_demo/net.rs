@@ -223,6 +223,17 @@ impl CallOutcome {
         }
     }
 
+    /// The answer's status code, if there was an answer.
+    pub fn status(&self) -> Option<u16> {
+        self.result.as_ref().ok().map(|r| r.status)
+    }
+
+    /// The answering server's name (its JSON `service`), if it said.
+    pub fn server(&self) -> Option<String> {
+        let r = self.result.as_ref().ok()?;
+        r.body.get("service")?.as_str().map(str::to_string)
+    }
+
     /// One log line: `call url=... status=200 ms=1.3 peer_seen_by_server=... server=...`
     /// or `call url=... ms=... error="connection reset"`.
     pub fn log(&self) {

@@ -310,6 +310,15 @@ pub fn place(
 
 /// The Pod YAML the control plane and node agents read for a waypoint pod.
 pub fn manifest(gateway: &GatewayKey, pod: &PodState) -> String {
+    // The labels a waypoint Deployment's pods carry in Kubernetes.
+    let labels = ambit_control::k8s::waypoint::objects::waypoint_pod_labels(
+        &gateway.name,
+        &Default::default(),
+    );
+    let labels: String = labels
+        .iter()
+        .map(|(k, v)| format!("    {k}: \"{v}\"\n"))
+        .collect();
     format!(
         "# Written by `ambitctl local` for waypoint Gateway {gateway}; removed with it. Do not edit.
 apiVersion: v1
@@ -319,10 +328,7 @@ metadata:
   namespace: {ns}
   uid: {uid}
   labels:
-    {LABEL_GATEWAY_NAME}: {gw}
-    {LABEL_DATAPLANE_MODE}: none
-    gateway.istio.io/managed: istio.io-mesh-controller
-spec:
+{labels}spec:
   nodeName: {node}
   serviceAccountName: {sa}
   containers:
@@ -336,7 +342,6 @@ status:
         name = pod.name,
         ns = pod.namespace,
         uid = pod.uid,
-        gw = gateway.name,
         node = pod.node,
         sa = pod.service_account,
         ip = pod.ip,

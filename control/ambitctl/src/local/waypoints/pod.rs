@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 
 use super::relay::Relay;
-use super::{LABEL_DATAPLANE_MODE, LABEL_GATEWAY_NAME, RELAY_PORT, WaypointRecord, manifest};
+use super::{LABEL_DATAPLANE_MODE, RELAY_PORT, WaypointRecord, manifest};
 use crate::local::cni::{self, CniCall};
 use crate::local::process::{self, spawn_detached};
 use crate::local::state::{ControlState, State};
@@ -162,8 +162,38 @@ fn wait_not_enrolled(
     )
 }
 
+/// The agent's environment: the container spec Kubernetes runs
+/// (`ambit_control::k8s::waypoint::objects`, `inject::proxy`), with the pod
+/// fields the downward API would fill taken from the pod.
+fn agent_env(rec: &WaypointRecord) -> Vec<(&'static str, String)> {
+    use ambit_control::inject::InjectSettings;
+    use ambit_control::inject::proxy::{EnvValue, agent_env};
+    use ambit_control::k8s::waypoint::objects::{waypoint_pod_labels, waypoint_proxy};
+    let p = &rec.pod;
+    let labels = waypoint_pod_labels(&rec.gateway.name, &Default::default());
+    let settings = InjectSettings::default();
+    agent_env(&waypoint_proxy(&rec.gateway.name, &labels, &settings))
+        .into_iter()
+        .map(|(name, value)| {
+            let value = match value {
+                EnvValue::Literal(v) => v,
+                EnvValue::PodField("metadata.namespace") => p.namespace.clone(),
+                EnvValue::PodField("metadata.name") => p.name.clone(),
+                EnvValue::PodField("status.podIP") => p.ip.to_string(),
+                EnvValue::PodField("spec.serviceAccountName") => p.service_account.clone(),
+                EnvValue::PodField("spec.nodeName") => p.node.clone(),
+                EnvValue::PodField(_) => String::new(),
+            };
+            (name, value)
+        })
+        .collect()
+}
+
 /// Starts `ambit-agent` inside the pod's netns (`ip netns exec` execs it:
-/// same pid); it leads its process group, with Envoy.
+/// same pid); it leads its process group, with Envoy. It runs what a
+/// waypoint Deployment's container runs ([`agent_env`]); the flags are what
+/// differs on one host: the control plane through the pod's relay, this
+/// cluster's root and node token files, the Envoy binary and state dir.
 pub(super) fn spawn_agent(ctx: &PodContext, rec: &WaypointRecord) -> Result<Child, LocalError> {
     let node = ctx
         .state
@@ -178,15 +208,7 @@ pub(super) fn spawn_agent(ctx: &PodContext, rec: &WaypointRecord) -> Result<Chil
     let mut cmd = Command::new("ip");
     cmd.args(["netns", "exec", &p.netns])
         .arg(ctx.state.bin_dir.join("ambit-agent"))
-        .args(["--kind", "waypoint", "--namespace", &p.namespace])
-        .args(["--service-account", &p.service_account])
-        .args(["--pod-name", &p.name, "--pod-ip", &p.ip.to_string()])
-        .args(["--node-name", &p.node])
-        .arg("--labels")
-        .arg(format!(
-            "{LABEL_GATEWAY_NAME}={},{LABEL_DATAPLANE_MODE}=none",
-            rec.gateway.name
-        ))
+        .envs(agent_env(rec))
         .args(["--xds-address", &format!("https://127.0.0.1:{RELAY_PORT}")])
         .arg("--root-cert")
         .arg(ctx.control.data_dir.join("ca").join("root-cert.pem"))
